@@ -1,0 +1,1 @@
+"""Pallas paged-attention kernels (GPU via Triton) and their pure-jnp references."""
