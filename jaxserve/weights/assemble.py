@@ -1,0 +1,67 @@
+"""Turn per-tensor weights named as transformers names them into jaxserve's stacked params."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import Params, param_shapes
+
+# our layer leaf -> (transformers name under model.layers.{i}., transpose?)
+LAYER_TENSORS: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+
+TensorGetter = Callable[[str], np.ndarray]  # raises KeyError when the tensor is absent
+
+
+def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, source: str,
+                    progress: bool = True) -> Params:
+    """Read every tensor through `get`, check its shape, stack the layers and place them on device."""
+    shapes = param_shapes(cfg)
+    total = 2 + (0 if cfg.tie_word_embeddings else 1) + len(shapes["layers"])
+    bar = tqdm(total=total, desc=f"Loading {source}", unit="tensor", disable=not progress)
+
+    def fetch(name: str, transpose: bool) -> np.ndarray:
+        try:
+            arr = np.asarray(get(name))
+        except KeyError:
+            raise ValueError(f"{source}: missing tensor {name!r}") from None
+        return arr.T if transpose else arr
+
+    def place(arr: np.ndarray, expected: tuple[int, ...], name: str) -> jax.Array:
+        if arr.shape != expected:
+            raise ValueError(f"{source}: tensor {name!r} has shape {arr.shape}, expected {expected}")
+        bar.update(1)
+        return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
+
+    params: Params = {"embed": place(fetch("model.embed_tokens.weight", False), shapes["embed"], "embed")}
+    layers = {}
+    for leaf, expected in shapes["layers"].items():
+        hf_name, transpose = LAYER_TENSORS[leaf]
+        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose) for i in range(cfg.num_layers)])
+        layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}")
+    params["layers"] = layers
+    params["final_norm"] = place(fetch("model.norm.weight", False), shapes["final_norm"], "model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = place(fetch("lm_head.weight", True), shapes["lm_head"], "lm_head.weight")
+    bar.close()
+    return params

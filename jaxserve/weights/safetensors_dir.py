@@ -1,0 +1,76 @@
+"""Load an HF-format model directory: config.json plus *.safetensors, with or without an index."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax.numpy as jnp
+from safetensors import safe_open
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import Params
+from jaxserve.weights.assemble import assemble_params
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format model directory)")
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    cfg = ModelConfig.from_hf(hf, source=str(path))
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            extra = tuple(eos) if isinstance(eos, list) else (eos,)
+            cfg = ModelConfig.from_dict({**cfg.to_dict(),
+                                         "eos_token_ids": tuple(dict.fromkeys(cfg.eos_token_ids + extra))})
+    return cfg
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> the file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files")
+    out: dict[str, Path] = {}
+    for f in files:
+        with _open(f) as st:
+            out.update({name: f for name in st.keys()})
+    return out
+
+
+def _open(path: Path):
+    try:
+        # framework="flax" reads bfloat16 too (numpy has no bfloat16 of its own).
+        return safe_open(str(path), framework="flax")
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
+
+
+def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True) -> Params:
+    files = _tensor_files(model_dir)
+    handles: dict[Path, object] = {}
+
+    def get(name: str):
+        if name not in files:
+            raise KeyError(name)
+        f = files[name]
+        if f not in handles:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f}: listed in the index but missing")
+            handles[f] = _open(f)
+        try:
+            return handles[f].get_tensor(name)
+        except Exception as e:
+            raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
+
+    return assemble_params(cfg, get, dtype, str(model_dir), progress)
