@@ -1,0 +1,176 @@
+"""Serve flags, shared by `jaxserve serve` and `python -m jaxserve.entrypoints.openai.api_server`.
+
+Every `EngineArgs` field is a flag (generated from the dataclass, so a new
+field needs no edit here beyond an optional help line), plus the server's own
+flags (`ServerArgs`). Precedence, lowest first:
+
+    dataclass defaults  <  --config FILE.yaml  <  flags given on the command line
+
+Flags default to `argparse.SUPPRESS`, so the namespace holds only what the user
+typed; that is how an explicit flag is told apart from a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Union
+
+import yaml
+
+from jaxserve.engine.args import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, EngineArgs
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None  # every /v1 route then requires `Authorization: Bearer KEY`
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    timeout_graceful_shutdown: float = 30.0  # seconds in-flight requests get after SIGTERM
+    uvicorn_log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")
+        if self.timeout_graceful_shutdown < 0:
+            raise ValueError("timeout_graceful_shutdown must be >= 0")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engine: EngineArgs
+    server: ServerArgs
+
+
+class ConfigError(ValueError):
+    """A bad --config file or flag combination; the message names the key."""
+
+
+_HELP = {
+    "model": "model name, path or GGUF/safetensors directory (default: SmolLM2-135M-Instruct)",
+    "served_model_name": "the name clients pass as `model` (default: the model argument)",
+    "max_model_len": "context length: prompt plus completion (default: the model's, capped at 2048 on CPU)",
+    "gpu_memory_utilization": "fraction of accelerator memory for weights, activations and the KV pool",
+    "num_gpu_blocks_override": "KV blocks to allocate, skipping memory profiling",
+    "kv_cache_memory": "bytes of KV pool (CPU; default 1 GiB)",
+    "max_num_seqs": "most requests in one batch",
+    "max_num_batched_tokens": "token budget of one engine step",
+    "swap_space": "GiB of host memory for swapped-out KV blocks",
+    "attention_backend": "auto: Pallas kernels on GPU, the XLA reference on CPU",
+    "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",
+    "compilation_cache_dir": "JAX persistent compilation cache directory",
+    "host": "address to bind",
+    "port": "port to bind",
+    "api_key": "require `Authorization: Bearer KEY` on /v1 routes",
+    "max_request_body_bytes": "larger request bodies get a 413",
+    "timeout_graceful_shutdown": "seconds in-flight requests may take after SIGTERM",
+}
+_CHOICES = {"dtype": DTYPES, "preemption_mode": PREEMPTION_MODES, "attention_backend": ATTENTION_BACKENDS,
+            "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace")}
+
+
+def _base_type(annotation: object) -> type:
+    """`int | None` -> int; the flag's value type."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        (base,) = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return base
+    return annotation  # type: ignore[return-value]  # a plain class
+
+
+def _field_types(cls: type) -> dict[str, tuple[type, bool, object]]:
+    """name -> (value type, accepts None, default) for a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (_base_type(hints[f.name]), type(None) in typing.get_args(hints[f.name]),
+                     None if f.default is MISSING else f.default) for f in fields(cls)}
+
+
+ENGINE_FIELDS = _field_types(EngineArgs)
+SERVER_FIELDS = _field_types(ServerArgs)
+
+
+def _add_fields(group: argparse._ArgumentGroup, specs: dict[str, tuple[type, bool, object]],
+                skip: tuple[str, ...] = ()) -> None:
+    for name, (kind, _, default) in specs.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        help_text = f"{_HELP.get(name, name.replace('_', ' '))} (default: {default})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=kind, choices=_CHOICES.get(name), default=argparse.SUPPRESS,
+                               metavar=None if name in _CHOICES else name.upper(), help=help_text)
+
+
+def add_serve_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:
+    """All serve flags; `jaxserve serve` also takes the model as an optional positional."""
+    if positional_model:
+        parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL", help=_HELP["model"])
+    parser.add_argument("--config", default=None, metavar="FILE.yaml",
+                        help="defaults for any flag below (keys with dashes or underscores); flags override it")
+    _add_fields(parser.add_argument_group("engine"), ENGINE_FIELDS)
+    _add_fields(parser.add_argument_group("server"), SERVER_FIELDS)
+    return parser
+
+
+def _check_value(source: str, name: str, value: object, spec: tuple[type, bool, object]) -> object:
+    kind, nullable, _ = spec
+    if value is None and nullable:
+        return None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind in (int, float):
+        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{source}: {name} must be {kind.__name__}{' or null' if nullable else ''}, "
+                          f"got {value!r}")
+    if name in _CHOICES and value not in _CHOICES[name]:
+        raise ConfigError(f"{source}: {name} must be one of {_CHOICES[name]}, got {value!r}")
+    return float(value) if kind is float else value  # type: ignore[arg-type]  # checked above
+
+
+def load_config_file(path: str) -> dict[str, object]:
+    """A YAML mapping of flag names to values, with keys normalized to field names and types checked."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of flag names to values")
+    known = {**ENGINE_FIELDS, **SERVER_FIELDS}
+    values: dict[str, object] = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ConfigError(f"config file {path}: unknown key {key!r}")
+        values[name] = _check_value(f"config file {path}", name, value, known[name])
+    return values
+
+
+def resolve(ns: argparse.Namespace) -> ServeConfig:
+    """Merge defaults, the config file and explicit flags; raises ConfigError (or EngineArgs' ValueError)."""
+    values = load_config_file(ns.config) if getattr(ns, "config", None) else {}
+    explicit = {k: v for k, v in vars(ns).items() if k in ENGINE_FIELDS or k in SERVER_FIELDS}
+    tag = getattr(ns, "model_tag", None)
+    if tag is not None:
+        if "model" in explicit and explicit["model"] != tag:
+            raise ConfigError(f"model given twice: {tag!r} and --model {explicit['model']!r}")
+        explicit["model"] = tag
+    values.update(explicit)
+    try:
+        engine = EngineArgs(**{k: v for k, v in values.items() if k in ENGINE_FIELDS})
+        server = ServerArgs(**{k: v for k, v in values.items() if k in SERVER_FIELDS})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return ServeConfig(engine=engine, server=server)

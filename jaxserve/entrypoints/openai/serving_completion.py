@@ -1,0 +1,168 @@
+"""POST /v1/completions: one engine request per prompt, merged into OpenAI's response or SSE chunks.
+
+Choice indices: prompt p's output j is choice `p * n + j`, as in the OpenAI API.
+The engine's outputs are cumulative; streaming sends the difference to what
+each choice has already sent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxserve.engine.outputs import CompletionOutput, LogprobsDict, RequestOutput
+from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                                  CompletionResponse, UsageInfo)
+from jaxserve.entrypoints.openai.serving_engine import SSE_DONE, BaseServing, random_id, sse
+from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disconnected
+
+
+class ServingCompletion(BaseServing):
+    async def create(self, req: CompletionRequest, request: Request) -> Response:
+        self.check_model(req.model)
+        if req.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        if req.stream and req.best_of is not None and req.best_of != req.n:
+            raise OpenAIError("best_of must equal n when streaming", param="best_of")
+        prompts = self._prompts(req)
+        want_prompt_logprobs = req.echo and req.logprobs is not None
+        request_id = random_id("cmpl")
+        streams = []
+        for i, (_, ids) in enumerate(prompts):
+            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, prompt_param="prompt",
+                                                 max_tokens_param="max_tokens")
+            params = self.sampling_params(
+                n=req.n, best_of=req.best_of, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                min_p=req.min_p or 0.0, seed=req.seed, presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                stop=req.stop, stop_token_ids=req.stop_token_ids,
+                include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
+                max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=req.logprobs,
+                prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
+                skip_special_tokens=req.skip_special_tokens, logit_bias=self.logit_bias(req.logit_bias),
+                use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
+            streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs))
+        firsts = await prime(streams)
+        merged = merge_streams(firsts, streams)
+        if req.stream:
+            return StreamingResponse(self._sse(req, request_id, prompts, merged), media_type="text/event-stream")
+        completed, finals = await until_disconnected(request, self._collect(merged, len(prompts)))
+        if not completed or finals is None:
+            return Response(status_code=499)  # nobody is listening; the requests were aborted
+        return JSONResponse(self._response(req, request_id, prompts, finals).model_dump())
+
+    def _prompts(self, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+        """(prompt text, token ids) per prompt."""
+        raw = req.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]  # type: ignore[list-item]  # one prompt
+        if not raw:
+            raise OpenAIError("prompt must not be empty", param="prompt")
+        prompts: list[tuple[str, list[int]]] = []
+        for item in raw:
+            if isinstance(item, str):
+                prompts.append((item, self.encode(item)))
+            else:
+                ids = list(item)  # type: ignore[arg-type]  # list[int] by the schema
+                self.check_token_ids(ids, "prompt")
+                prompts.append((self.tokenizer.decode(ids), ids))
+        return prompts
+
+    @staticmethod
+    async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * num_prompts
+        async for index, output in merged:
+            finals[index] = output
+        return [f for f in finals if f is not None]
+
+    def _logprobs(self, token_ids: list[int], positions: list[LogprobsDict | None], num: int,
+                  start_offset: int = 0, out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+        out = out or CompletionLogprobs()
+        offset = start_offset
+        for token_id, entries in zip(token_ids, positions):
+            token = self.decode_token(token_id, entries)
+            out.tokens.append(token)
+            out.token_logprobs.append(self.sampled_logprob(token_id, entries))
+            out.top_logprobs.append(dict(self.top_entries(entries, num)) if entries else None)
+            out.text_offset.append(offset)
+            offset += len(token)
+        return out
+
+    def _choice(self, req: CompletionRequest, index: int, prompt: tuple[str, list[int]], final: RequestOutput,
+                output: CompletionOutput) -> CompletionChoice:
+        text = (prompt[0] if req.echo else "") + output.text
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            if req.echo:
+                self._logprobs(prompt[1], list(final.prompt_logprobs or [None] * len(prompt[1])), req.logprobs,
+                               out=logprobs)
+            start = sum(len(t) for t in logprobs.tokens)
+            self._logprobs(output.token_ids, list(output.logprobs or []), req.logprobs, start, logprobs)
+        return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason,
+                                stop_reason=output.stop_reason)
+
+    def _response(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices: list[CompletionChoice] = []
+        num_generated = 0
+        for p, (prompt, final) in enumerate(zip(prompts, finals)):
+            for j, output in enumerate(final.outputs[:req.n]):
+                choices.append(self._choice(req, p * req.n + j, prompt, final, output))
+                num_generated += len(output.token_ids)
+        num_prompt = sum(len(ids) for _, ids in prompts)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                          total_tokens=num_prompt + num_generated)
+        return CompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
+
+    async def _sse(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
+                   merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
+        try:
+            async with aclosing(merged):
+                async for event in self._events(req, request_id, prompts, merged):
+                    yield event
+        except OpenAIError as exc:
+            yield sse(exc.to_dict())
+        except Exception as exc:  # noqa: BLE001  (the stream has started: report in-band, keep serving)
+            yield sse(OpenAIError(f"Internal error: {exc!r}", status=500).to_dict())
+        yield SSE_DONE
+
+    async def _events(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
+                      merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}  # choice index -> characters sent
+        sent_tokens: dict[int, int] = {}
+        model = self.engine.model_name
+        async for p, output in merged:
+            prompt_text, prompt_ids = prompts[p]
+            for j, out in enumerate(output.outputs[:req.n]):
+                index = p * req.n + j
+                first = index not in sent_text
+                done_text, done_tokens = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                delta, new_ids = out.text[done_text:], out.token_ids[done_tokens:]
+                if not (first and req.echo) and not delta and not new_ids and out.finish_reason is None:
+                    continue
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    if first and req.echo:
+                        prompt_positions = list(output.prompt_logprobs or [None] * len(prompt_ids))
+                        self._logprobs(prompt_ids, prompt_positions, req.logprobs, out=logprobs)
+                    self._logprobs(new_ids, list((out.logprobs or [])[done_tokens:]), req.logprobs,
+                                   done_text, logprobs)
+                sent_text[index] = max(done_text, len(out.text))
+                sent_tokens[index] = len(out.token_ids)
+                choice = CompletionChoice(index=index, text=(prompt_text if first and req.echo else "") + delta,
+                                          logprobs=logprobs, finish_reason=out.finish_reason,
+                                          stop_reason=out.stop_reason)
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            num_prompt = sum(len(ids) for _, ids in prompts)
+            total = sum(sent_tokens.values())
+            usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
+            yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))

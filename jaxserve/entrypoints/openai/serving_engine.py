@@ -1,0 +1,158 @@
+"""What /v1/completions and /v1/chat/completions share: model-name and length checks,
+sampling-parameter translation, one engine stream per prompt (aborted when its
+consumer goes away), logprob formatting and SSE framing.
+
+Prompts are tokenized here, not in the engine, so the length checks (and the
+`usage` counts) are made on exactly the token ids the engine will run.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import fields
+
+import anyio
+from pydantic import BaseModel
+
+from jaxserve.engine.outputs import LogprobsDict, RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.entrypoints.openai.engine_client import EngineClient
+from jaxserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from jaxserve.entrypoints.openai.metrics import ServerMetrics
+from jaxserve.entrypoints.openai.protocol import TopLogprob
+
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: BaseModel | dict[str, object]) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class BaseServing:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.tokenizer = engine.tokenizer
+        self.vocab_size = len(engine.tokenizer)
+
+    # --- request checks ----------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
+                              code="model_not_found")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise OpenAIError(f"Token id {bad[0]} is out of vocabulary (size {self.vocab_size})", param=param,
+                              code="invalid_value")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, max_tokens: int | None, *, prompt_param: str,
+                           max_tokens_param: str) -> int:
+        """The number of tokens to generate, or a 400 when the prompt plus it does not fit the context."""
+        limit = self.engine.max_model_len
+        if num_prompt_tokens == 0:
+            raise OpenAIError("The prompt is empty; at least one token is required", param=prompt_param)
+        if num_prompt_tokens >= limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the prompt.",
+                param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if max_tokens >= 1 and num_prompt_tokens + max_tokens > limit:
+            raise OpenAIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+                f"in the completion). Please reduce the prompt or {max_tokens_param}.",
+                param=max_tokens_param, code="context_length_exceeded")
+        return max_tokens
+
+    @staticmethod
+    def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+        if raw is None:
+            return None
+        try:
+            return {int(k): v for k, v in raw.items()}
+        except ValueError:
+            raise OpenAIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias",
+                              code="invalid_value") from None
+
+    @staticmethod
+    def sampling_params(aliases: dict[str, str] | None = None, **kwargs: object) -> SamplingParams:
+        try:
+            return SamplingParams(**kwargs)  # type: ignore[arg-type]  # typed by the request schema
+        except ValueError as exc:
+            raise from_value_error(exc, fields=SAMPLING_FIELDS, aliases=aliases) from None
+
+    # --- engine streams ----------------------------------------------------------------------
+
+    async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                     *, prompt_logprobs: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's outputs for one prompt; records metrics when it finishes, aborts it otherwise."""
+        finished = started = False
+        outputs = self.engine.generate(prompt_ids, params, request_id, prompt_logprobs=prompt_logprobs)
+        try:
+            try:
+                async for output in outputs:
+                    started = True
+                    if output.finished and not finished:
+                        finished = True
+                        if self.metrics is not None:
+                            self.metrics.observe_finished(output)
+                    yield output
+            except ValueError as exc:
+                if started:
+                    raise
+                finished = True  # the engine refused it before starting (prompt length, ...): nothing to abort
+                raise OpenAIError(str(exc), code="invalid_value") from None
+        finally:
+            with anyio.CancelScope(shield=True):
+                if not finished:
+                    await self.engine.abort(request_id)
+                close = getattr(outputs, "aclose", None)
+                if close is not None:
+                    await close()
+
+    # --- logprobs ----------------------------------------------------------------------------
+
+    def decode_token(self, token_id: int, entries: LogprobsDict | None) -> str:
+        entry = entries.get(token_id) if entries else None
+        if entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    def top_entries(self, entries: LogprobsDict | None, num: int) -> list[tuple[str, float]]:
+        """The `num` best (decoded token, logprob) pairs at one position, best first."""
+        if not entries or num <= 0:
+            return []
+        ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+        return [(self.decode_token(t, entries), max(lp.logprob, MIN_LOGPROB)) for t, lp in ranked[:num]]
+
+    @staticmethod
+    def sampled_logprob(token_id: int, entries: LogprobsDict | None) -> float | None:
+        entry = entries.get(token_id) if entries else None
+        return None if entry is None else max(entry.logprob, MIN_LOGPROB)
+
+    def chat_logprob(self, token_id: int, entries: LogprobsDict | None, num: int) -> dict[str, object]:
+        token = self.decode_token(token_id, entries)
+        logprob = self.sampled_logprob(token_id, entries)
+        top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())).model_dump()
+               for t, lp in self.top_entries(entries, num)]
+        return {"token": token, "logprob": MIN_LOGPROB if logprob is None else logprob,
+                "bytes": list(token.encode()), "top_logprobs": top}
