@@ -1,0 +1,67 @@
+"""Shared fixtures: the real default model (SmolLM2-135M-Instruct, GGUF Q4_1) in jaxserve and in transformers."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxserve.weights.loader import default_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "List of prime numbers: 2, 3, 5,",
+    "The quick brown fox",
+    "In machine learning, a neural network is",
+]
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def jax_default_model():
+    from jaxserve.weights.loader import load_model
+
+    return load_model(None, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_gguf):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None  # always 48 tokens: EOS is just another token here
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_default_tokenizer(default_gguf):
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_default_model, hf_default_tokenizer):
+    """prompt -> (prompt ids, 48 greedy ids, the reference logits at each generated position)."""
+    import torch
+
+    # One left-padded batch: 48 forward steps instead of 8 x 48.
+    ids = [hf_default_tokenizer.encode(p) for p in PROMPTS]
+    width = max(map(len, ids))
+    pad = hf_default_tokenizer.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        gen = hf_default_model.generate(input_ids, attention_mask=mask, max_new_tokens=48, do_sample=False,
+                                        output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
+    logits = torch.stack(gen.logits, 1).float().numpy()  # [batch, 48, vocab]
+    return {p: (i, gen.sequences[b, width:].tolist(), logits[b]) for b, (p, i) in enumerate(zip(PROMPTS, ids))}
