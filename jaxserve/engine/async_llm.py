@@ -1,0 +1,132 @@
+"""AsyncLLM: the asyncio front of LLMEngine for the HTTP server.
+
+The engine loop runs in one background thread and owns the engine outright;
+asyncio callers talk to it only through a thread-safe inbox (add / abort) and
+get results through per-request asyncio queues filled with
+`loop.call_soon_threadsafe`. So the scheduler never sees two threads, and a slow
+step never blocks the event loop.
+
+    generate() --validate--> inbox ---> [engine thread: drain inbox, step()] ---> queue --> yield
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.model_name = engine.model_name
+        self.errored = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._stats = engine.get_stats()
+        self._thread = threading.Thread(target=self._run, name="jaxserve-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+        return cls(LLMEngine(args))
+
+    def startup_report(self) -> str:
+        return self.engine.startup_report()
+
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
+                       *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+        if self.errored:
+            raise RuntimeError("the engine loop has stopped after an error")
+        text, token_ids = self.engine.encode_prompt(prompt)
+        self.engine.validate(token_ids, sampling_params)
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
+        finished = False
+        try:
+            while not finished:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # the consumer went away (disconnect, cancel): free the request's blocks
+                self._post(("abort", request_id))
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def get_stats(self) -> EngineStats:
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # ---- engine thread ----------------------------------------------------------------------------
+    def _post(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, q = target
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the caller's loop is closed
+                pass
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, rid, prompt, params = msg
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            else:
+                self.engine.abort_request(msg[1])
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                    self._stats = self.engine.get_stats()
+                else:
+                    self._stats = self.engine.get_stats()
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+        except Exception as e:  # a bug or a device failure: fail every open request, keep the server up
+            log.exception("engine loop failed")
+            self.errored = True
+            for rid in list(self._streams):
+                self._deliver(rid, RuntimeError(f"engine failed: {e}"))

@@ -1,0 +1,74 @@
+"""Pack a SchedulerOutput into one flat, padded device batch.
+
+    requests  A (prefill chunk, 5 tokens)  B (decode)  C (decode)   padding
+    tokens    a0 a1 a2 a3 a4               b7          c3           -  -  ...  (T = token bucket)
+    cu_q_lens 0              5              6           7  7 7 ...              (max_num_seqs + 1)
+    logits_indices  4 (only if A samples)  5           6  0 0 ...              (S = seq bucket)
+
+The attention metadata keeps max_num_seqs rows whatever the batch, so the model
+step compiles once per token bucket; only the sampler sees the seq bucket S.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxserve.engine.scheduler_types import SchedulerOutput
+from jaxserve.models.attention import AttentionMetadata
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class StepInput:
+    token_ids: jax.Array  # [T] i32, 0 for padding
+    positions: jax.Array  # [T] i32
+    attn: AttentionMetadata  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
+
+
+def buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from lo, capped by (and always including) hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+def bucket_for(n: int, grid: list[int]) -> int:
+    for b in grid:
+        if n <= b:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {grid[-1]}")
+
+
+def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_blocks_per_seq: int,
+         block_size: int) -> tuple[StepInput, list[int]]:
+    """Host-side numpy batch, and the flat index of each sampling request's last token (in order)."""
+    tokens = np.zeros(num_tokens_padded, np.int32)
+    positions = np.zeros(num_tokens_padded, np.int32)
+    slots = np.full(num_tokens_padded, -1, np.int32)
+    kv_lens = np.zeros(max_num_seqs, np.int32)
+    tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
+    cu = np.zeros(max_num_seqs + 1, np.int32)
+    sample_rows: list[int] = []
+    t = 0
+    for i, sr in enumerate(out.scheduled):
+        n = len(sr.token_ids)
+        pos = np.arange(sr.start_pos, sr.start_pos + n, dtype=np.int32)
+        blocks = np.asarray(sr.block_ids, np.int32)
+        tokens[t:t + n] = sr.token_ids
+        positions[t:t + n] = pos
+        slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        kv_lens[i] = sr.start_pos + n
+        tables[i, :len(blocks)] = blocks
+        t += n
+        cu[i + 1] = t
+        if sr.sample:
+            sample_rows.append(t - 1)
+    cu[len(out.scheduled) + 1:] = t
+    attn = AttentionMetadata(slot_mapping=slots, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu,
+                             num_seqs=np.asarray([len(out.scheduled)], np.int32))
+    return StepInput(tokens, positions, attn), sample_rows

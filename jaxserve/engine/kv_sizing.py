@@ -1,0 +1,36 @@
+"""How many KV blocks the pool gets: an explicit count, a byte budget on CPU, or a
+fraction of device memory minus the weights and the measured activation peak."""
+
+from __future__ import annotations
+
+import jax
+
+from jaxserve.engine.args import EngineArgs
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+def device_memory_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def num_device_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, activation_bytes: int,
+                      min_blocks: int) -> int:
+    """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error."""
+    if args.num_gpu_blocks_override is not None:
+        blocks = args.num_gpu_blocks_override
+        source = "--num-gpu-blocks-override"
+    else:
+        total = device_memory_bytes() if jax.default_backend() != "cpu" else None
+        if total is None:
+            budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+            source = "--kv-cache-memory"
+        else:
+            budget = int(total * args.gpu_memory_utilization) - weight_bytes - activation_bytes
+            source = "--gpu-memory-utilization"
+        blocks = budget // bytes_per_block
+    if blocks < min_blocks:
+        raise ValueError(f"{source}: the KV pool would hold {blocks} blocks, but one request of max_model_len "
+                         f"needs {min_blocks}; give it more memory or lower --max-model-len")
+    return int(blocks)

@@ -1,0 +1,217 @@
+"""LLMEngine: the synchronous core. One `step()` is
+
+    scheduler.schedule() -> SchedulerOutput          (pure Python: who runs, which blocks)
+    runner.execute(out)  -> ModelOutput              (device: one model step, one sampler call)
+    scheduler.update(out, model_output) -> requests  (append tokens, stop conditions, free blocks)
+    output processor     -> list[RequestOutput]      (detokenize, stop strings, logprobs, n/best_of)
+
+A user request with n (or best_of) > 1 becomes that many scheduler Requests; the
+2nd.. are forked off the 1st after its prefill, sharing its prompt blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable
+
+import jax
+import numpy as np
+
+from jaxserve.engine import output_processor as op
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.kv_sizing import num_device_blocks
+from jaxserve.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_block, num_compilations
+from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.engine.scheduler import Scheduler
+from jaxserve.engine.scheduler_types import SchedulerConfig
+from jaxserve.engine.stats import EngineStats
+from jaxserve.models.attention import resolve_backend
+from jaxserve.weights.loader import LoadedModel, load_model
+
+PromptType = str | list[int] | dict
+CPU_MAX_MODEL_LEN = 2048  # default cap on CPU, where long contexts are impractically slow
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True) -> None:
+        t0 = time.perf_counter()
+        self.args = args
+        self.model = model or load_model(args.model, args.dtype, progress)
+        cfg = self.model.config
+        self.tokenizer = self.model.tokenizer
+        if args.chat_template and self.tokenizer is not None:
+            self.tokenizer.chat_template = _read_template(args.chat_template)
+        self.model_name = args.served_model_name or self.model.name
+        self.max_model_len = args.max_model_len or min(
+            cfg.max_position_embeddings, CPU_MAX_MODEL_LEN if jax.default_backend() == "cpu" else 1 << 30)
+        max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
+                                                     else self.max_model_len)
+        dtype = jax.tree.leaves(self.model.params)[0].dtype
+        per_block = kv_bytes_per_block(cfg, args.block_size, dtype)
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.model.params))
+        min_blocks = -(-self.max_model_len // args.block_size)
+        self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, 0, min_blocks)
+        self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
+                               if args.preemption_mode == "swap" else 0)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=self.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
+            preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks))
+        self.runner = ModelRunner(self.model, RunnerConfig(
+            num_blocks=self.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
+            backend=resolve_backend(args.attention_backend), num_cpu_blocks=self.num_cpu_blocks))
+        self.load_seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.runner.warmup(progress)
+        self.warmup_seconds = time.perf_counter() - t1
+        self.compilations_at_warmup = num_compilations()
+        self._rng = np.random.default_rng(args.seed)
+        self._groups: dict[str, op.RequestGroup] = {}
+        self._child: dict[str, tuple[op.RequestGroup, op.SampleState]] = {}
+        self._seeds: dict[str, int] = {}
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for anything add_request would refuse; safe to call from any thread."""
+        if not token_ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is out of range for a vocabulary of {vocab}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(token_ids)} tokens, but this model's maximum context length is "
+                             f"{self.max_model_len} (prompt plus at least one generated token)")
+        if params.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported yet; use n/best_of sampling")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported yet")
+        if params.best_of > self.args.max_num_seqs:
+            raise ValueError(f"best_of: {params.best_of} samples exceed max_num_seqs ({self.args.max_num_seqs})")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        text, token_ids = self.encode_prompt(prompt)
+        self.validate(token_ids, params)
+        eos = tuple(self.model.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = tuple(dict.fromkeys(eos + (self.tokenizer.eos_token_id,)))
+        params = dataclasses.replace(params, eos_token_ids=eos)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        child_ids = [request_id] if params.best_of == 1 else [f"{request_id}#{i}" for i in range(params.best_of)]
+        group = op.new_group(request_id, text, token_ids, params, child_ids, self.tokenizer, arrival)
+        base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
+        for i, sample in enumerate(group.samples):
+            req = Request(sample.child_id, list(token_ids), params, arrival, eos_token_ids=eos,
+                          parent_id=child_ids[0] if i else None)
+            self.scheduler.add_request(req)
+            self._seeds[sample.child_id] = base_seed + i
+            self._child[sample.child_id] = (group, sample)
+        self._groups[request_id] = group
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        outputs = []
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            self.scheduler.abort_requests([s.child_id for s in group.samples])
+            for s in group.samples:
+                op.finish(s, "abort")
+                self._forget(s.child_id)
+            outputs.append(op.make_output(group))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        now = time.monotonic()
+        for sr in out.scheduled:
+            group, _ = self._child[sr.request_id]
+            group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
+            prompt_len = len(group.prompt_token_ids)
+            self._num_prompt_tokens += max(0, min(sr.start_pos + len(sr.token_ids), prompt_len) - sr.start_pos)
+        requests = {sr.request_id: self.scheduler.get_request(sr.request_id) for sr in out.scheduled}
+        model_out = self.runner.execute(out, requests, self._seeds)
+        updated = self.scheduler.update(out, model_out)
+        now = time.monotonic()
+        changed: dict[str, op.RequestGroup] = {}
+        cached: dict[str, int] = {}
+        for req in updated:
+            group, sample = self._child[req.request_id]
+            before = len(sample.token_ids)
+            stop_hit = op.absorb(group, sample, req, model_out.sampled.get(req.request_id), self.tokenizer, now)
+            self._num_generation_tokens += len(sample.token_ids) - before
+            if stop_hit is not None and not req.is_finished:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            changed[group.request_id] = group
+            cached[group.request_id] = max(cached.get(group.request_id, 0), req.num_cached_tokens)
+        outputs = []
+        for rid, group in changed.items():
+            outputs.append(op.make_output(group, cached[rid]))
+            if group.finished:
+                del self._groups[rid]
+                for s in group.samples:
+                    self._forget(s.child_id)
+        return outputs
+
+    def _forget(self, child_id: str) -> None:
+        self._child.pop(child_id, None)
+        self._seeds.pop(child_id, None)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        compiles = num_compilations()
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
+            kv_cache_usage=s.kv_cache_usage, cpu_cache_usage=s.cpu_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens, num_compilations=compiles,
+            num_compilations_after_warmup=compiles - self.compilations_at_warmup,
+            num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks)
+
+    def startup_report(self) -> str:
+        per_req = -(-self.max_model_len // self.args.block_size)
+        return (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
+                f"loaded in {self.load_seconds:.1f}s; KV pool: {self.num_gpu_blocks} blocks of "
+                f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens), max "
+                f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
+                f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s")
+
+
+def _read_template(value: str) -> str:
+    from pathlib import Path
+
+    p = Path(value)
+    return p.read_text() if p.is_file() else value

@@ -1,0 +1,215 @@
+"""The device side of a step: block copies/swaps, the jitted model step, the jitted sampler.
+
+Two programs run per step, both compiled during warm-up:
+    model_step[T]        (params, kv, batch) -> kv (donated, updated in place), hidden [P, hidden]
+                         hidden rows are the sampling tokens' last positions, P = max seq bucket
+    sample_step[S, var]  (params, hidden, sampling metadata) -> tokens, logprobs  (LM head on S rows)
+Splitting them keeps the compile grid small: the model compiles once per token
+bucket T, and the LM head plus sampler once per (seq bucket S, sampler variant),
+instead of the product of all three.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import monitoring
+from tqdm.auto import tqdm
+
+from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack
+from jaxserve.engine.request import Request
+from jaxserve.engine.sampler import SamplerOutput, sample
+from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
+from jaxserve.engine.scheduler_types import ModelOutput, SampledToken, SchedulerOutput
+from jaxserve.models import llama
+from jaxserve.models.attention import make_kv_cache
+from jaxserve.weights.loader import LoadedModel
+
+_compile_lock = threading.Lock()
+_num_compilations = 0
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+    global _num_compilations
+    if event == "/jax/core/compile/backend_compile_duration":
+        with _compile_lock:
+            _num_compilations += 1
+
+
+monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def num_compilations() -> int:
+    """XLA backend compilations in this process so far (persistent-cache hits are not compilations)."""
+    return _num_compilations
+
+
+# Module-level jitted programs with the model config static: engines of the same model and
+# shapes in one process (tests, `bench sweep`) share compiled executables.
+@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=1)
+def _model_step(params, kv, batch: StepInput, rows, *, cfg, backend):
+    kv, hidden = llama.forward(params, cfg, kv, batch.token_ids, batch.positions, batch.attn, backend)
+    return kv, hidden[rows]  # [P, hidden]: the sampling tokens' last positions
+
+
+@jax.jit
+def _sample_step(params, hidden, md: SamplingMetadata) -> SamplerOutput:
+    logits = llama.compute_logits(params, hidden[: md.temperature.shape[0]])  # LM head on S rows only
+    return sample(logits, md)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_blocks(kv, src, dst):  # dst == num_blocks (out of range) for padding pairs
+    return tuple(c.at[:, :, dst].set(c[:, :, src], mode="drop") for c in kv)
+
+
+@jax.jit
+def _gather_blocks(kv, ids):
+    return tuple(c[:, :, ids] for c in kv)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _scatter_blocks(kv, ids, k, v):
+    return kv[0].at[:, :, ids].set(k, mode="drop"), kv[1].at[:, :, ids].set(v, mode="drop")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    backend: str = "reference"
+    num_cpu_blocks: int = 0
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+
+class ModelRunner:
+    def __init__(self, model: LoadedModel, rc: RunnerConfig) -> None:
+        self.model, self.rc, self.cfg = model, rc, model.config
+        self.params = model.params
+        dtype = jax.tree.leaves(self.params)[0].dtype
+        self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
+                                self.cfg.head_dim, dtype)
+        self.token_buckets = buckets(16, max(16, rc.max_num_batched_tokens))
+        self.seq_buckets = buckets(8, max(8, rc.max_num_seqs))
+        self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
+        self.copy_width = self.num_rows  # block pairs per copy/swap program call
+        host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
+                      self.cfg.head_dim)
+        self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
+        self._model_step = functools.partial(_model_step, cfg=self.cfg, backend=rc.backend)
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> int:
+        """Compile every program serving can run; returns how many compilations that took."""
+        before = num_compilations()
+        variants = [(s, md) for s in self.seq_buckets
+                    for md in SamplingMetadata.warmup_variants(s, self.rc.max_model_len)]
+        total = len(self.token_buckets) + len(variants) + (3 if self.host_kv is not None else 1)
+        with tqdm(total=total, desc="Warm-up (compiling buckets)", unit="program", disable=not progress) as bar:
+            hidden = None
+            for t in self.token_buckets:
+                self.kv, hidden = self._model_step(self.params, self.kv, self._empty_batch(t),
+                                                   np.zeros(self.num_rows, np.int32))
+                bar.update(1)
+            for _, md in variants:
+                jax.block_until_ready(_sample_step(self.params, hidden, md))
+                bar.update(1)
+            pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
+            self.kv = _copy_blocks(self.kv, np.zeros_like(pad), pad)
+            bar.update(1)
+            if self.host_kv is not None:
+                k, v = _gather_blocks(self.kv, np.zeros_like(pad))
+                self.kv = _scatter_blocks(self.kv, pad, k, v)
+                bar.update(2)
+        jax.block_until_ready(self.kv)
+        return num_compilations() - before
+
+    def _empty_batch(self, num_tokens: int) -> StepInput:
+        from jaxserve.engine.scheduler_types import SchedulerOutput as _SO
+
+        batch, _ = pack(_SO(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
+        return batch
+
+    # ---- one step --------------------------------------------------------------------------------
+    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request], seeds: Mapping[str, int]) -> ModelOutput:
+        self._apply_block_ops(out)
+        if not out.scheduled:
+            return ModelOutput()
+        t = bucket_for(out.num_batched_tokens, self.token_buckets)
+        batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
+        rows = np.zeros(self.num_rows, np.int32)
+        rows[: len(sample_rows)] = sample_rows
+        self.kv, hidden = self._model_step(self.params, self.kv, batch, rows)
+        sampling = [requests[sr.request_id] for sr in out.scheduled if sr.sample]
+        if not sampling:
+            return ModelOutput()
+        md = SamplingMetadata.build(
+            [RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens, r.prompt_token_ids,
+                     r.output_token_ids) for r in sampling],
+            bucket_for(len(sampling), self.seq_buckets), self.rc.max_model_len)
+        so = jax.device_get(_sample_step(self.params, hidden, md))
+        result = {}
+        for i, r in enumerate(sampling):
+            n = r.sampling_params.logprobs or 0
+            top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])] if n else None
+            result[r.request_id] = SampledToken(int(so.token_ids[i]), float(so.logprobs[i]), top, int(so.ranks[i]))
+        return ModelOutput(result)
+
+    def _apply_block_ops(self, out: SchedulerOutput) -> None:
+        # The scheduler's order: a block freed by a swap-out may be this step's swap-in or copy target.
+        if out.swap_out:
+            self._swap_out(out.swap_out)
+        if out.swap_in:
+            self._swap_in(out.swap_in)
+        for chunk in _chunks(out.copy_blocks, self.copy_width):
+            src, dst = self._pad_pairs(chunk)
+            self.kv = _copy_blocks(self.kv, src, dst)
+
+    def _pad_pairs(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        src = np.zeros(self.copy_width, np.int32)
+        dst = np.full(self.copy_width, self.rc.num_blocks, np.int32)
+        src[: len(pairs)], dst[: len(pairs)] = zip(*pairs)
+        return src, dst
+
+    def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        assert self.host_kv is not None, "swap_out without a host pool"
+        for chunk in _chunks(pairs, self.copy_width):
+            dev, _ = self._pad_pairs(chunk)
+            k, v = jax.device_get(_gather_blocks(self.kv, dev))
+            host_ids = [c for _, c in chunk]
+            self.host_kv[0][:, :, host_ids] = k[:, :, : len(chunk)]
+            self.host_kv[1][:, :, host_ids] = v[:, :, : len(chunk)]
+
+    def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        assert self.host_kv is not None, "swap_in without a host pool"
+        for chunk in _chunks(pairs, self.copy_width):
+            host_ids = [c for c, _ in chunk]
+            dev = np.full(self.copy_width, self.rc.num_blocks, np.int32)
+            dev[: len(chunk)] = [d for _, d in chunk]
+            shape = list(self.host_kv[0].shape)
+            shape[2] = self.copy_width
+            k, v = np.zeros(shape, self.host_kv[0].dtype), np.zeros(shape, self.host_kv[1].dtype)
+            k[:, :, : len(chunk)] = self.host_kv[0][:, :, host_ids]
+            v[:, :, : len(chunk)] = self.host_kv[1][:, :, host_ids]
+            self.kv = _scatter_blocks(self.kv, dev, k, v)
+
+
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def kv_bytes_per_block(cfg, block_size: int, dtype) -> int:
+    """K and V bytes of one block across all layers."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize

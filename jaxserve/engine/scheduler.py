@@ -1,0 +1,314 @@
+"""Continuous-batching scheduler, vLLM V1 style: no prefill or decode phase.
+
+Every request has `num_computed_tokens` (KV in cache) and `num_tokens`
+(prompt + outputs); a step computes some of the gap. `schedule()` spends a
+token budget over at most `max_num_seqs` requests, in three passes:
+
+    1. running  (oldest first)  the whole gap (1 token when decoding; a chunk
+                                with chunked prefill). Out of blocks -> preempt
+                                the NEWEST running request until it fits; if the
+                                newest is this one, it is preempted itself.
+    2. swapped  (oldest first)  swap back in when blocks allow (skipped in a
+                                step that preempted). Keeps waiting ones out
+                                while any stay swapped, so they cannot starve.
+    3. waiting  (FCFS)          the whole prompt (recompute: prompt + outputs),
+                                minus prefix-cache hits; the head blocks the
+                                rest when it does not fit, so it never starves.
+
+`update()` applies the runner's sampled tokens, checks stop conditions and
+frees finished requests. Parallel samples (`parent_id`) wait until the parent's
+prompt is computed, then fork: they share its prompt blocks and recompute only
+the last prompt token (copy-on-write on the shared last block), sampling their
+own first token. Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Iterable
+
+from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.engine.request import Request, RequestStatus
+from jaxserve.engine.scheduler_types import (ModelOutput, SampledToken, ScheduledRequest,
+                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
+
+__all__ = ["ModelOutput", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "SchedulerStats"]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size,
+                                 config.enable_prefix_caching, config.num_cpu_blocks)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted oldest first
+        self.swapped: list[Request] = []  # sorted oldest first
+        self.pending_forks: dict[str, list[Request]] = {}  # parent id -> samples to fork
+        # (arrival_time, admission number): a total order, ties broken by add order.
+        self._order: dict[str, tuple[float, int]] = {}
+        self._num_added = 0
+        self._admitted: set[str] = set()  # ids admitted at least once (num_cached_tokens)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
+
+    # -- admission ----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        cfg, rid = self.config, request.request_id
+        num_prompt = len(request.prompt_token_ids)
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        if num_prompt == 0:
+            raise ValueError("prompt must contain at least one token")
+        if num_prompt >= cfg.max_model_len:
+            raise ValueError(f"prompt is {num_prompt} tokens long but max_model_len is "
+                             f"{cfg.max_model_len}; it must be shorter to leave room for output")
+        # A request alone must fit the pool at its longest, or nothing could ever run it.
+        max_blocks = self.kv.blocks_needed(request.max_total_tokens(cfg.max_model_len) - 1)
+        if max_blocks > cfg.num_blocks:
+            raise ValueError(f"prompt of {num_prompt} tokens (max_model_len {cfg.max_model_len}, "
+                             f"max_tokens {request.sampling_params.max_tokens}) can grow to "
+                             f"{max_blocks} KV blocks but the pool has only {cfg.num_blocks}")
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self._order[rid] = (request.arrival_time, self._num_added)
+        self._num_added += 1
+        parent = self.requests.get(request.parent_id) if request.parent_id else None
+        if parent is not None and parent.prompt_token_ids == request.prompt_token_ids:
+            self.pending_forks.setdefault(parent.request_id, []).append(request)
+        else:
+            self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        return self._finish(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str] | str, status: RequestStatus) -> None:
+        """The engine ends requests here when a stop string matched."""
+        if not status.is_finished():
+            raise ValueError(f"status must be a finished status, got {status}")
+        self._finish([request_ids] if isinstance(request_ids, str) else request_ids, status)
+
+    def _finish(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            self._unqueue(req)
+            req.status = status
+            self._release(req)
+            done.append(req)
+        return done
+
+    def _unqueue(self, req: Request) -> None:
+        for queue in (self.running, self.swapped, self.waiting,
+                      self.pending_forks.get(req.parent_id or "", [])):
+            if req in queue:
+                queue.remove(req)
+                return
+
+    def _release(self, req: Request) -> None:
+        """Forget a finished request that is in no queue; orphaned samples prefill alone."""
+        rid = req.request_id
+        self.kv.forget(rid)
+        del self.requests[rid]
+        del self._order[rid]
+        self._admitted.discard(rid)
+        children = self.pending_forks.pop(rid, [])
+        for child in reversed(children):  # they arrived with the parent: front of the queue
+            self.waiting.appendleft(child)
+
+    def _insert(self, queue: list[Request], req: Request) -> None:
+        bisect.insort(queue, req, key=lambda r: self._order[r.request_id])
+
+    # -- parallel sampling ----------------------------------------------------
+    def _fork_pending(self) -> None:
+        """Fork samples off parents whose prompt KV is complete and on device."""
+        for parent_id, children in list(self.pending_forks.items()):
+            parent = self.requests[parent_id]
+            if (parent_id not in self.kv.req_to_blocks
+                    or parent.num_computed_tokens < parent.num_prompt_tokens):
+                continue
+            while children and len(self.running) < self.config.max_num_seqs:
+                child = children.pop(0)
+                self.kv.fork(parent_id, child.request_id, parent.num_prompt_tokens)
+                # The last prompt token is recomputed so the child gets its own logits.
+                child.num_computed_tokens = parent.num_prompt_tokens - 1
+                child.status = RequestStatus.RUNNING
+                self._admitted.add(child.request_id)
+                self._insert(self.running, child)
+            if not children:
+                del self.pending_forks[parent_id]
+
+    # -- scheduling ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._fork_pending()
+        out = SchedulerOutput()
+        preempted = self._schedule_running(out)
+        if not preempted:
+            self._schedule_swapped(out)
+            if not self.swapped:
+                self._schedule_waiting(out)
+        out.num_batched_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        return out
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute now, or 0 if it must wait for a later step."""
+        num_new = req.num_tokens - num_computed
+        if self.config.enable_chunked_prefill:
+            return min(num_new, budget)
+        return num_new if num_new <= budget else 0
+
+    def _room(self, out: SchedulerOutput, budget: int) -> bool:
+        return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
+
+    def _schedule_running(self, out: SchedulerOutput) -> bool:
+        """Returns True if anything was preempted."""
+        budget = self.config.max_num_batched_tokens
+        preempted, i = False, 0
+        while i < len(self.running) and self._room(out, budget):
+            req = self.running[i]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            while copies is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                preempted = True
+                if victim is req:
+                    break
+                copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            if copies is None:
+                break
+            out.copy_blocks.extend(copies)
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+            i += 1
+        return preempted
+
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        budget = self._budget_left(out)
+        while self.swapped and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
+            req = self.swapped[0]
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if num_new <= 0:
+                break
+            pairs = self.kv.swap_in(req.request_id, req.num_computed_tokens, num_new)
+            if pairs is None:
+                break
+            self.swapped.pop(0)
+            out.swap_in.extend(pairs)
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        budget = self._budget_left(out)
+        caching = self.config.enable_prefix_caching
+        while self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            rid = req.request_id
+            assert req.num_computed_tokens == 0, "waiting requests hold no KV"
+            hits = self.kv.get_computed_blocks(rid, req.all_token_ids) if caching else []
+            num_computed = len(hits) * self.config.block_size
+            num_new = self._num_new_tokens(req, num_computed, budget)
+            if num_new <= 0:
+                break
+            copies = self.kv.allocate_slots(rid, num_computed, num_new, hits)
+            if copies is None:
+                break
+            assert not copies, "a new request shares only blocks it will not write"
+            self.waiting.popleft()
+            req.num_computed_tokens = num_computed
+            if caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_computed
+            if rid not in self._admitted:
+                self._admitted.add(rid)
+                req.num_cached_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            self._add_scheduled(out, req, num_new)
+            budget -= num_new
+
+    def _budget_left(self, out: SchedulerOutput) -> int:
+        return self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in out.scheduled)
+
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+        start = req.num_computed_tokens
+        out.scheduled.append(ScheduledRequest(
+            request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new),
+            start_pos=start,
+            block_ids=list(self.kv.get_block_ids(req.request_id)),
+            sample=start + num_new == req.num_tokens))
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        """`victim` is already out of `running`. Swap it out, else recompute later."""
+        pairs = None
+        if self.config.preemption_mode == "swap":
+            pairs = self.kv.swap_out(victim.request_id)
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            victim.status = RequestStatus.SWAPPED
+            self._insert(self.swapped, victim)
+        else:
+            self.kv.free(victim.request_id)
+            victim.num_computed_tokens = 0
+            victim.status = RequestStatus.WAITING
+            self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        out.preempted_ids.append(victim.request_id)
+
+    # -- results ------------------------------------------------------------
+    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
+        bs = self.config.block_size
+        changed: list[Request] = []
+        finished: list[Request] = []
+        for sched in out.scheduled:
+            req = self.requests.get(sched.request_id)
+            # Aborted (or re-added) between schedule() and update(): drop its results.
+            if req is None or req.status != RequestStatus.RUNNING or req.num_computed_tokens != sched.start_pos:
+                continue
+            req.num_computed_tokens += len(sched.token_ids)
+            if sched.sample:
+                token = model_output.sampled.get(req.request_id)
+                if token is None:  # it would sit forever with nothing left to compute
+                    raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
+                req.output_token_ids.append(token.token_id)
+                changed.append(req)
+                if req.check_stop(self.config.max_model_len):
+                    finished.append(req)
+            if self.config.enable_prefix_caching and req.num_computed_tokens // bs > sched.start_pos // bs:
+                self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+        if finished:
+            done = set(id(r) for r in finished)
+            self.running = [r for r in self.running if id(r) not in done]
+        # Fork before freeing, so a parent that finished on its first token still lends its blocks.
+        self._fork_pending()
+        for req in finished:
+            self._release(req)
+        return changed
+
+    # -- introspection ------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting) + sum(len(c) for c in self.pending_forks.values()),
+            num_swapped=len(self.swapped),
+            kv_cache_usage=self.kv.usage,
+            cpu_cache_usage=self.kv.cpu_usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions)

@@ -1,0 +1,102 @@
+"""Plain data crossing the scheduler <-> runner line: config, one step's plan, its results.
+
+Everything here is ints, lists and strings, so the scheduler is testable
+without JAX and the runner can pack it into device arrays however it likes.
+Re-exported by scheduler.py; import from there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREEMPTION_MODES = ("recompute", "swap")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+    num_cpu_blocks: int = 0  # host swap pool, used by preemption_mode="swap"
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {msg}")
+
+        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        check(isinstance(self.max_model_len, int) and self.max_model_len >= 2, "max_model_len",
+              f"must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}")
+        # Without chunking a prompt is scheduled whole, so the longest one must fit a step.
+        check(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
+              "max_num_batched_tokens",
+              f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}) "
+              "unless enable_chunked_prefill is on")
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+              f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        check(isinstance(self.num_cpu_blocks, int) and self.num_cpu_blocks >= 0, "num_cpu_blocks",
+              f"must be an integer >= 0, got {self.num_cpu_blocks!r}")
+        check(self.preemption_mode != "swap" or self.num_cpu_blocks > 0, "num_cpu_blocks",
+              "must be > 0 when preemption_mode is 'swap' (the host swap pool)")
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # fed this step, at positions start_pos .. start_pos + len - 1
+    start_pos: int  # == the request's num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    # True when this step computes the request's last known token, so the runner
+    # samples a new token from its logits (False for a non-final prefill chunk).
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. The runner applies the block moves BEFORE the forward, in
+    this order: swap_out, swap_in, copy_blocks (a block freed by a swap-out may
+    be reused as a copy destination in the same step)."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)  # order in the flat batch
+    num_batched_tokens: int = 0
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.swap_out or self.swap_in or self.copy_blocks)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # (token id, logprob), best first
+    rank: int | None = None
+
+
+@dataclass
+class ModelOutput:
+    # request_id -> token, only for the ScheduledRequests with sample=True
+    sampled: dict[str, SampledToken] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int  # includes parallel samples waiting to fork off their parent
+    num_swapped: int
+    kv_cache_usage: float  # fraction of device blocks referenced, 0..1
+    cpu_cache_usage: float
+    prefix_cache_queries: int  # cumulative, tokens looked up at admission
+    prefix_cache_hits: int  # cumulative, tokens found
+    num_preemptions: int  # cumulative
