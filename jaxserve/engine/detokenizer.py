@@ -61,7 +61,11 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """All text decoded so far; cut at the stop string once one matched."""
+        """All complete text decoded so far, cut at the stop string once one matched.
+
+        It may run ahead of the deltas by a held-back stop-string prefix; once
+        finished (stop matched, or flush()) it equals the joined deltas.
+        """
         return self._text
 
     @property
