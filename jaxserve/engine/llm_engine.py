@@ -39,6 +39,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True) -> None:
         t0 = time.perf_counter()
         self.args = args
+        if args.compilation_cache_dir:
+            # A restart with the same model and shapes then loads its programs instead of compiling.
+            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         self.model = model or load_model(args.model, args.dtype, progress)
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
