@@ -95,3 +95,24 @@ def test_bad_requests_are_refused_and_leave_the_engine_clean(jax_default_model):
     ok = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 4
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_prompt_logprobs_match_transformers(jax_default_model, hf_default_model):
+    import numpy as np
+    import torch
+
+    llm = _llm(jax_default_model, **COMMON, max_num_batched_tokens=16, enable_chunked_prefill=True,
+               enable_prefix_caching=True)
+    prompt = PROMPTS[7] + " " + PROMPTS[2]  # longer than one 16-token chunk: spans two steps
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    assert len(ids) > 16 and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_default_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert ids[pos] in entry and len(entry) >= 2
+        assert abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]]) < 1e-3
+        best = int(np.argmax(ref[pos - 1]))
+        assert best in entry and entry[best].rank == 1
+    assert llm.llm_engine.get_stats().num_compilations_after_warmup == 0

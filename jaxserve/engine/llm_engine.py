@@ -111,8 +111,6 @@ class LLMEngine:
                              f"{self.max_model_len} (prompt plus at least one generated token)")
         if params.use_beam_search:
             raise ValueError("use_beam_search: beam search is not supported yet; use n/best_of sampling")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs: not supported yet")
         if params.best_of > self.args.max_num_seqs:
             raise ValueError(f"best_of: {params.best_of} samples exceed max_num_seqs ({self.args.max_num_seqs})")
 
@@ -169,6 +167,9 @@ class LLMEngine:
         model_out = self.runner.execute(out, requests, self._seeds)
         updated = self.scheduler.update(out, model_out)
         now = time.monotonic()
+        for rid, entries in model_out.prompt_logprobs.items():
+            group, _ = self._child[rid]
+            op.absorb_prompt_logprobs(group, entries, self.tokenizer)
         changed: dict[str, op.RequestGroup] = {}
         cached: dict[str, int] = {}
         for req in updated:

@@ -24,13 +24,14 @@ from tqdm.auto import tqdm
 
 from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack
 from jaxserve.engine.request import Request
-from jaxserve.engine.sampler import SamplerOutput, sample
+from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
 from jaxserve.engine.scheduler_types import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.models.attention import make_kv_cache
 from jaxserve.weights.loader import LoadedModel
 
+PROMPT_LOGPROB_ROWS = 64  # prompt positions per prompt-logprobs program call
 _compile_lock = threading.Lock()
 _num_compilations = 0
 
@@ -55,7 +56,18 @@ def num_compilations() -> int:
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=1)
 def _model_step(params, kv, batch: StepInput, rows, *, cfg, backend):
     kv, hidden = llama.forward(params, cfg, kv, batch.token_ids, batch.positions, batch.attn, backend)
-    return kv, hidden[rows]  # [P, hidden]: the sampling tokens' last positions
+    return kv, hidden[rows], hidden  # [P, hidden]: the sampling tokens' last positions; [T, hidden]: all
+
+
+@jax.jit
+def _gather_rows(hidden, rows):  # [T, hidden], [Q] -> [Q, hidden]; compiled per token bucket, tiny
+    return hidden[rows]
+
+
+@jax.jit
+def _prompt_logprobs_step(params, hidden, targets) -> SamplerOutput:
+    """Logprob, rank and top-N of the next prompt token at Q prompt positions."""
+    return compute_logprobs(llama.compute_logits(params, hidden), targets)
 
 
 @jax.jit
@@ -119,10 +131,13 @@ class ModelRunner:
         total = len(self.token_buckets) + len(variants) + (3 if self.host_kv is not None else 1)
         with tqdm(total=total, desc="Warm-up (compiling buckets)", unit="program", disable=not progress) as bar:
             hidden = None
+            q_rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
             for t in self.token_buckets:
-                self.kv, hidden = self._model_step(self.params, self.kv, self._empty_batch(t),
-                                                   np.zeros(self.num_rows, np.int32))
+                self.kv, hidden, full = self._model_step(self.params, self.kv, self._empty_batch(t),
+                                                         np.zeros(self.num_rows, np.int32))
+                _gather_rows(full, q_rows)
                 bar.update(1)
+            jax.block_until_ready(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows))
             for _, md in variants:
                 jax.block_until_ready(_sample_step(self.params, hidden, md))
                 bar.update(1)
@@ -151,10 +166,11 @@ class ModelRunner:
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
-        self.kv, hidden = self._model_step(self.params, self.kv, batch, rows)
+        self.kv, hidden, full = self._model_step(self.params, self.kv, batch, rows)
+        prompt_lps = self._prompt_logprobs(out, requests, full)
         sampling = [requests[sr.request_id] for sr in out.scheduled if sr.sample]
         if not sampling:
-            return ModelOutput()
+            return ModelOutput(prompt_logprobs=prompt_lps)
         md = SamplingMetadata.build(
             [RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens, r.prompt_token_ids,
                      r.output_token_ids) for r in sampling],
@@ -165,7 +181,34 @@ class ModelRunner:
             n = r.sampling_params.logprobs or 0
             top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])] if n else None
             result[r.request_id] = SampledToken(int(so.token_ids[i]), float(so.logprobs[i]), top, int(so.ranks[i]))
-        return ModelOutput(result)
+        return ModelOutput(result, prompt_lps)
+
+    def _prompt_logprobs(self, out: SchedulerOutput, requests: Mapping[str, Request],
+                         hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
+        """Logprobs of prompt tokens 1.. for requests that asked, from this step's hidden states."""
+        wanted = []  # (request id, prompt position of the target token, flat row, target id)
+        row = 0
+        for sr in out.scheduled:
+            req = requests[sr.request_id]
+            prompt = req.prompt_token_ids
+            if req.sampling_params.prompt_logprobs is not None:
+                for j in range(len(sr.token_ids)):
+                    pos = sr.start_pos + j
+                    if pos + 1 < len(prompt):
+                        wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1]))
+            row += len(sr.token_ids)
+        result: dict[str, dict[int, SampledToken]] = {}
+        for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
+            rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+            rows[: len(chunk)] = [c[2] for c in chunk]
+            targets[: len(chunk)] = [c[3] for c in chunk]
+            so = jax.device_get(_prompt_logprobs_step(self.params, _gather_rows(hidden, rows), targets))
+            for i, (rid, pos, _, tok) in enumerate(chunk):
+                n = requests[rid].sampling_params.prompt_logprobs
+                top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])]
+                result.setdefault(rid, {})[pos] = SampledToken(tok, float(so.logprobs[i]), top, int(so.ranks[i]))
+        return result
 
     def _apply_block_ops(self, out: SchedulerOutput) -> None:
         # The scheduler's order: a block freed by a swap-out may be this step's swap-in or copy target.

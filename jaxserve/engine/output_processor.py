@@ -38,6 +38,7 @@ class RequestGroup:
     params: SamplingParams
     samples: list[SampleState]
     metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # [prompt len], None at position 0
 
     @property
     def finished(self) -> bool:
@@ -53,7 +54,19 @@ def new_group(request_id: str, prompt: str | None, prompt_token_ids: list[int], 
             detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
                                            stop=list(params.stop), include_stop_str_in_output=params.include_stop_str_in_output)
         samples.append(SampleState(cid, i, detok, logprobs=[] if params.logprobs is not None else None))
-    return RequestGroup(request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time))
+    group = RequestGroup(request_id, prompt, prompt_token_ids, params, samples, RequestMetrics(arrival_time))
+    if params.prompt_logprobs is not None:
+        group.prompt_logprobs = [None] * len(prompt_token_ids)
+    return group
+
+
+def absorb_prompt_logprobs(group: RequestGroup, entries: dict[int, SampledToken],
+                           tokenizer: PreTrainedTokenizerBase | None) -> None:
+    if group.prompt_logprobs is None:
+        return
+    for pos, s in entries.items():
+        if group.prompt_logprobs[pos] is None:  # a recompute after preemption gives the same values
+            group.prompt_logprobs[pos] = _logprob_entry(s, s.token_id, tokenizer)
 
 
 def absorb(group: RequestGroup, sample: SampleState, req: Request, sampled: SampledToken | None,
@@ -114,5 +127,6 @@ def make_output(group: RequestGroup, num_cached_tokens: int = 0) -> RequestOutpu
                                      finish_reason=s.finish_reason, stop_reason=s.stop_reason))
     if finished and group.metrics.finished_time is None:
         group.metrics.finished_time = time.monotonic()
+    prompt_lps = list(group.prompt_logprobs) if group.prompt_logprobs is not None else None
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                         metrics=group.metrics, num_cached_tokens=num_cached_tokens)
+                         prompt_logprobs=prompt_lps, metrics=group.metrics, num_cached_tokens=num_cached_tokens)

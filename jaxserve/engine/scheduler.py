@@ -215,7 +215,9 @@ class Scheduler:
             req = self.waiting[0]
             rid = req.request_id
             assert req.num_computed_tokens == 0, "waiting requests hold no KV"
-            hits = self.kv.get_computed_blocks(rid, req.all_token_ids) if caching else []
+            # Prompt logprobs need every prompt position computed, so such a request reads no cached prefix.
+            use_cache = caching and req.sampling_params.prompt_logprobs is None
+            hits = self.kv.get_computed_blocks(rid, req.all_token_ids) if use_cache else []
             num_computed = len(hits) * self.config.block_size
             num_new = self._num_new_tokens(req, num_computed, budget)
             if num_new <= 0:

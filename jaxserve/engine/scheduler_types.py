@@ -88,6 +88,8 @@ class SampledToken:
 class ModelOutput:
     # request_id -> token, only for the ScheduledRequests with sample=True
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request_id -> {prompt position p: logprob entry for prompt token p (p >= 1)}, for prompt_logprobs
+    prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
 
 
 @dataclass
