@@ -116,3 +116,26 @@ def test_prompt_logprobs_match_transformers(jax_default_model, hf_default_model)
         best = int(np.argmax(ref[pos - 1]))
         assert best in entry and entry[best].rank == 1
     assert llm.llm_engine.get_stats().num_compilations_after_warmup == 0
+
+
+def test_beam_search(jax_default_model):
+    llm = _llm(jax_default_model, **COMMON, max_num_batched_tokens=128, enable_prefix_caching=True)
+    prompt = PROMPTS[3]
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    one = llm.generate(prompt, SamplingParams(use_beam_search=True, beam_width=1, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert one.outputs[0].token_ids == greedy.outputs[0].token_ids
+    sp = SamplingParams(use_beam_search=True, beam_width=3, n=3, max_tokens=8, ignore_eos=True, length_penalty=0.0)
+    beams = llm.generate(prompt, sp, use_tqdm=False)[0].outputs
+    assert len(beams) == 3 and len({tuple(b.token_ids) for b in beams}) == 3
+    cums = [b.cumulative_logprob for b in beams]
+    assert cums == sorted(cums, reverse=True)
+    # Each beam's score is the model's own logprob of its tokens, re-scored teacher-forced.
+    ids = greedy.prompt_token_ids
+    for b in beams:
+        full = llm.generate({"prompt_token_ids": ids + b.token_ids},
+                            SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        rescored = sum(full.prompt_logprobs[len(ids) + j][t].logprob for j, t in enumerate(b.token_ids))
+        assert abs(rescored - b.cumulative_logprob) < 1e-3
+    assert llm.llm_engine.scheduler.kv.usage == 0.0
+    assert llm.llm_engine.get_stats().num_compilations_after_warmup == 0

@@ -12,11 +12,13 @@ step never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
 
+from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
@@ -53,6 +55,10 @@ class AsyncLLM:
                        *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise RuntimeError("the engine loop has stopped after an error")
+        if sampling_params.use_beam_search:
+            async for out in self._beam_search(prompt, sampling_params, request_id):
+                yield out
+            return
         text, token_ids = self.engine.encode_prompt(prompt)
         self.engine.validate(token_ids, sampling_params)
         if request_id in self._streams:
@@ -72,6 +78,36 @@ class AsyncLLM:
             if not finished:  # the consumer went away (disconnect, cancel): free the request's blocks
                 self._post(("abort", request_id))
             self._streams.pop(request_id, None)
+
+    async def _beam_search(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
+        """Rounds of one-token requests per live beam (see beam_search.py); one final output."""
+        text, ids = self.engine.encode_prompt(prompt)
+        beam_search.check(params)
+        self.engine.validate(ids, dataclasses.replace(params, use_beam_search=False))
+        width, eos = beam_search.width_of(params), tuple(self.engine.model.config.eos_token_ids)
+        step = beam_search.step_params(params, width)
+        live, done, rnd = [beam_search.Beam()], [], 0
+
+        async def one(k: int, beam: beam_search.Beam) -> RequestOutput:
+            final = None
+            async for out in self.generate(ids + beam.tokens, step, f"{request_id}-beam{rnd}.{k}"):
+                final = out
+            return final
+
+        while live:
+            for b in live:
+                if len(ids) + len(b.tokens) >= self.max_model_len:
+                    b.finish_reason = "length"
+            done += [b for b in live if b.finish_reason]
+            pending = [b for b in live if not b.finish_reason]
+            outs = await asyncio.gather(*(one(k, b) for k, b in enumerate(pending)))
+            live, finished = beam_search.expand(pending, [beam_search.candidates_from(o) for o in outs],
+                                                params, width, eos)
+            done += finished
+            rnd += 1
+        tok = self.tokenizer
+        decode = (lambda t: tok.decode(t, skip_special_tokens=True)) if tok is not None else (lambda t: "")
+        yield beam_search.to_output(request_id, text, ids, beam_search.best(done, [], params), decode)
 
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.outputs import RequestOutput
@@ -47,6 +49,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        beam = [i for i, p in enumerate(params) if p.use_beam_search]
+        if beam:
+            plain = [i for i in range(len(prompts)) if i not in set(beam)]
+            results = dict(zip(beam, self.beam_search([prompts[i] for i in beam], [params[i] for i in beam])))
+            if plain:
+                results.update(zip(plain, self.generate([prompts[i] for i in plain], [params[i] for i in plain],
+                                                        use_tqdm)))
+            return [results[i] for i in range(len(prompts))]
         engine = self.llm_engine
         ids = []
         try:
@@ -58,6 +68,40 @@ class LLM:
             engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams]
+                    ) -> list[RequestOutput]:
+        """Beam search (`SamplingParams(use_beam_search=True, beam_width=W, n=N, length_penalty=...)`)."""
+        engine = self.llm_engine
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        encoded = [engine.encode_prompt(p) for p in prompts]
+        for (_, ids), p in zip(encoded, params):
+            beam_search.check(p)
+            engine.validate(ids, dataclasses.replace(p, use_beam_search=False))
+        eos = tuple(engine.model.config.eos_token_ids)
+        live = [[beam_search.Beam()] for _ in prompts]
+        done: list[list[beam_search.Beam]] = [[] for _ in prompts]
+        while any(live):
+            pending = []
+            for i, ((_, ids), p) in enumerate(zip(encoded, params)):
+                for b in live[i]:
+                    if len(ids) + len(b.tokens) >= engine.max_model_len:
+                        b.finish_reason = "length"
+                        continue
+                    pending.append((i, b, ids + b.tokens, beam_search.step_params(p, beam_search.width_of(p))))
+            outs = self.generate([{"prompt_token_ids": t} for _, _, t, _ in pending], [sp for *_, sp in pending],
+                                 use_tqdm=False) if pending else []
+            cands: dict[int, list] = {i: ([], []) for i in range(len(prompts))}
+            for (i, b, _, _), out in zip(pending, outs):
+                cands[i][0].append(b)
+                cands[i][1].append(beam_search.candidates_from(out))
+            for i, p in enumerate(params):
+                done[i] += [b for b in live[i] if b.finish_reason]  # hit max_model_len
+                live[i], finished = beam_search.expand(cands[i][0], cands[i][1], p, beam_search.width_of(p), eos)
+                done[i] += finished
+        decode = (lambda t: engine.tokenizer.decode(t, skip_special_tokens=True)) if engine.tokenizer else (lambda t: "")
+        return [beam_search.to_output(str(next(self._ids)), text, ids, beam_search.best(done[i], [], p), decode)
+                for i, ((text, ids), p) in enumerate(zip(encoded, params))]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,

@@ -40,11 +40,15 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + len(shapes["layers"])
     bar = tqdm(total=total, desc=f"Loading {source}", unit="tensor", disable=not progress)
 
-    def fetch(name: str, transpose: bool) -> np.ndarray:
+    def fetch(name: str, transpose: bool, expected: tuple[int, ...]) -> np.ndarray:
+        """One tensor, checked against its expected shape (as the model consumes it) before any stacking."""
         try:
             arr = np.asarray(get(name))
         except KeyError:
             raise ValueError(f"{source}: missing tensor {name!r}") from None
+        stored = expected[::-1] if transpose else expected  # transformers stores Linear weights [out, in]
+        if arr.shape != stored:
+            raise ValueError(f"{source}: tensor {name!r} has shape {arr.shape}, expected {stored}")
         return arr.T if transpose else arr
 
     def place(arr: np.ndarray, expected: tuple[int, ...], name: str) -> jax.Array:
@@ -53,15 +57,19 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
         bar.update(1)
         return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
 
-    params: Params = {"embed": place(fetch("model.embed_tokens.weight", False), shapes["embed"], "embed")}
+    params: Params = {"embed": place(fetch("model.embed_tokens.weight", False, shapes["embed"]), shapes["embed"],
+                                     "model.embed_tokens.weight")}
     layers = {}
     for leaf, expected in shapes["layers"].items():
         hf_name, transpose = LAYER_TENSORS[leaf]
-        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose) for i in range(cfg.num_layers)])
+        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
+                             for i in range(cfg.num_layers)])
         layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}")
     params["layers"] = layers
-    params["final_norm"] = place(fetch("model.norm.weight", False), shapes["final_norm"], "model.norm.weight")
+    params["final_norm"] = place(fetch("model.norm.weight", False, shapes["final_norm"]), shapes["final_norm"],
+                                 "model.norm.weight")
     if not cfg.tie_word_embeddings:
-        params["lm_head"] = place(fetch("lm_head.weight", True), shapes["lm_head"], "lm_head.weight")
+        params["lm_head"] = place(fetch("lm_head.weight", True, shapes["lm_head"]), shapes["lm_head"],
+                                  "lm_head.weight")
     bar.close()
     return params

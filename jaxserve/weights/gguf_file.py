@@ -123,7 +123,8 @@ def load_gguf(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: jnp.dtype
                              f"the gguf package cannot dequantize ({e})") from None
         if arch in PERMUTED_ARCHITECTURES and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
-            w = _unpermute(w, heads)
+            if w.shape[0] == heads * cfg.head_dim:  # otherwise the shape check names the tensor
+                w = _unpermute(w, heads)
         return w
 
     return assemble_params(cfg, get, dtype, str(path), progress)

@@ -17,14 +17,10 @@ def read_config(model_dir: Path) -> ModelConfig:
     path = model_dir / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{model_dir}: no config.json (expected an HF-format model directory)")
-    try:
-        hf = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    cfg = ModelConfig.from_hf(hf, source=str(path))
+    cfg = ModelConfig.from_hf(_read_json(path), source=str(path))
     gen = model_dir / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = _read_json(gen).get("eos_token_id")
         if eos is not None:
             extra = tuple(eos) if isinstance(eos, list) else (eos,)
             cfg = ModelConfig.from_dict({**cfg.to_dict(),
@@ -36,7 +32,9 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
     """tensor name -> the file holding it."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index}: no \"weight_map\" object (not a safetensors index)")
         return {name: model_dir / fname for name, fname in weight_map.items()}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -46,6 +44,16 @@ def _tensor_files(model_dir: Path) -> dict[str, Path]:
         with _open(f) as st:
             out.update({name: f for name in st.keys()})
     return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _open(path: Path):

@@ -1,0 +1,100 @@
+"""PNG plots of bench results (matplotlib, Agg backend): used by `sweep` and the analysis notebook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_sweep(rows: list[dict], param: str, out_dir: str | Path, title: str = "") -> list[Path]:
+    """rows: {"value", "output_throughput", "p99_ttft_ms", ...} per parameter value. Two PNGs:
+    throughput against TTFT p99 (each point labelled with its value), and both against the parameter."""
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    labels = [str(r["value"]) for r in rows]
+    tput = [r["output_throughput"] for r in rows]
+    ttft = [r["p99_ttft_ms"] for r in rows]
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.plot(ttft, tput, "o-")
+    for x, y, label in zip(ttft, tput, labels):
+        ax.annotate(f"{param}={label}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.set_xlabel("TTFT p99 (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title(title or f"throughput vs TTFT p99 over {param}")
+    ax.grid(alpha=0.3)
+    p1 = out / f"sweep_{param}_throughput_vs_ttft.png"
+    fig.tight_layout()
+    fig.savefig(p1, dpi=110)
+    plt.close(fig)
+
+    fig, ax1 = plt.subplots(figsize=(6, 4.5))
+    x = np.arange(len(rows))
+    ax1.plot(x, tput, "o-", color="tab:blue", label="output tokens/s")
+    ax1.set_ylabel("output tokens/s", color="tab:blue")
+    ax1.set_xticks(x, labels)
+    ax1.set_xlabel(param)
+    ax2 = ax1.twinx()
+    ax2.plot(x, ttft, "s--", color="tab:red", label="TTFT p99 (ms)")
+    ax2.set_ylabel("TTFT p99 (ms)", color="tab:red")
+    ax1.set_title(title or f"tokens/s and TTFT p99 vs {param}")
+    ax1.grid(alpha=0.3)
+    p2 = out / f"sweep_{param}_vs_param.png"
+    fig.tight_layout()
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def plot_serve_latencies(result: dict, out_path: str | Path) -> Path:
+    """CDFs of TTFT, ITL and E2E-ish latency (ms) of one `bench serve` result JSON."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    ttfts = np.sort(np.asarray(result["ttfts"], dtype=float) * 1000)
+    itls = np.sort(np.asarray([x for r in result["itls"] for x in r], dtype=float) * 1000)
+    for ax, data, name in ((axes[0], ttfts, "TTFT"), (axes[1], itls, "ITL")):
+        if data.size:
+            ax.plot(data, np.arange(1, data.size + 1) / data.size)
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests" if name == "TTFT" else "fraction of tokens")
+        ax.set_title(f"{name} CDF ({result.get('model_id', '')})")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def plot_batching(result: dict, out_path: str | Path) -> Path:
+    """Bars: output tokens/s per mode, and KV waste (paged vs reserved) of continuous batching."""
+    plt = _plt()
+    modes = [k for k in ("continuous", "static", "hf") if k in result]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.bar(modes, [result[m]["output_tokens_per_second"] for m in modes], color="tab:blue")
+    ax1.set_ylabel("output tokens/s")
+    ax1.set_title(f"continuous / static = {result['speedup_continuous_over_static']:.2f}x")
+    c = result["continuous"]
+    names = ["paged", "reserved\nmax_model_len", "reserved\nprompt+max_tokens"]
+    vals = [c["kv_waste_paged"], c["kv_waste_reserved_max_model_len"], c["kv_waste_reserved_max_tokens"]]
+    ax2.bar(names, [100 * v for v in vals], color=["tab:green", "tab:red", "tab:orange"])
+    ax2.set_ylabel("KV slots allocated but unused (%)")
+    ax2.set_title("KV waste (continuous run)")
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
