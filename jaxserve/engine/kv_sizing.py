@@ -15,9 +15,16 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
+def needs_profile(args: EngineArgs) -> bool:
+    """Only sizing by --gpu-memory-utilization on an accelerator needs the activation dry run."""
+    return args.num_gpu_blocks_override is None and jax.default_backend() != "cpu" \
+        and device_memory_bytes() is not None
+
+
 def num_device_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, activation_bytes: int,
                       min_blocks: int) -> int:
-    """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error."""
+    """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error.
+    activation_bytes: the largest bucket's temporary memory, from a compiled dry run."""
     if args.num_gpu_blocks_override is not None:
         blocks = args.num_gpu_blocks_override
         source = "--num-gpu-blocks-override"

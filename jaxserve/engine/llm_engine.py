@@ -12,6 +12,7 @@ A user request with n (or best_of) > 1 becomes that many scheduler Requests; the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Iterable
 
@@ -20,8 +21,9 @@ import numpy as np
 
 from jaxserve.engine import output_processor as op
 from jaxserve.engine.args import EngineArgs
-from jaxserve.engine.kv_sizing import num_device_blocks
-from jaxserve.engine.model_runner import ModelRunner, RunnerConfig, kv_bytes_per_block, num_compilations
+from jaxserve.engine.kv_sizing import needs_profile, num_device_blocks
+from jaxserve.engine.model_runner import (ModelRunner, RunnerConfig, activation_bytes, kv_bytes_per_block,
+                                          num_compilations)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampling_params import SamplingParams
@@ -57,7 +59,13 @@ class LLMEngine:
         per_block = kv_bytes_per_block(cfg, args.block_size, dtype)
         weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.model.params))
         min_blocks = -(-self.max_model_len // args.block_size)
-        self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, 0, min_blocks)
+        backend = resolve_backend(args.attention_backend)
+        runner_config = functools.partial(
+            RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend)
+        self.activation_bytes = (activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1))
+                                 if needs_profile(args) else 0)
+        self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, self.activation_bytes, min_blocks)
         self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
                                if args.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -65,10 +73,8 @@ class LLMEngine:
             max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks))
-        self.runner = ModelRunner(self.model, RunnerConfig(
-            num_blocks=self.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
-            backend=resolve_backend(args.attention_backend), num_cpu_blocks=self.num_cpu_blocks))
+        self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
+                                                            num_cpu_blocks=self.num_cpu_blocks))
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)

@@ -253,6 +253,22 @@ def _chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
+def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
+    """Temporary device memory of the largest token bucket's step, from XLA's memory analysis of a
+    compile against a one-request pool (the activation peak does not grow with the pool)."""
+    cfg = model.config
+    dtype = jax.tree.leaves(model.params)[0].dtype
+    blocks = rc.max_blocks_per_seq + 1
+    kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, blocks, rc.block_size, cfg.head_dim), dtype)
+               for _ in range(2))
+    t = buckets(16, max(16, rc.max_num_batched_tokens))[-1]
+    batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
+    rows = np.zeros(buckets(8, max(8, rc.max_num_seqs))[-1], np.int32)
+    compiled = _model_step.lower(model.params, kv, batch, rows, cfg=cfg, backend=rc.backend).compile()
+    analysis = compiled.memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
+
+
 def kv_bytes_per_block(cfg, block_size: int, dtype) -> int:
     """K and V bytes of one block across all layers."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
