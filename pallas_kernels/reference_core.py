@@ -30,12 +30,12 @@ def gather_blocks(
     cache: jax.Array, block_ids: jax.Array, layer: jax.Array | int | None
 ) -> jax.Array:
     """cache[(layer,) :, block_ids] laid out [*block_ids.shape, heads, block_size, dim]."""
-    num_kv_heads = cache.shape[-4]
-    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)
-    ids = block_ids[..., None]  # [..., 1]
+    # Heads as a whole slice (not indexed by an arange) keep the head axis a pass-through
+    # dimension of the gather: with the pool sharded on heads, each device gathers its own.
+    # Advanced indices split by a slice put their dims first: [*block_ids.shape, heads, BS, D].
     if layer is None:
-        return cache[heads, ids]
-    return cache[jnp.asarray(layer, jnp.int32), heads, ids]
+        cache, layer = cache[None], 0
+    return cache[jnp.asarray(layer, jnp.int32), :, block_ids]
 
 
 def attend_reference(

@@ -124,12 +124,15 @@ def write_kv_reference(
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp write: one scatter per cache, in place when the caller donates."""
     _check(k_cache, v_cache, k_new, v_new, slot_mapping, layer)
-    num_kv_heads, num_blocks, block_size, _ = k_cache.shape[-4:]
+    _, num_blocks, block_size, _ = k_cache.shape[-4:]
     block, offset = _split_slots(slot_mapping, num_blocks, block_size)
-    heads = jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :]  # [1, Hkv]
-    idx = (heads, block[:, None], offset[:, None])  # each broadcasts to [T, Hkv]
-    if layer is not None:
-        idx = (jnp.asarray(layer, jnp.int32),) + idx
+    # All heads as a slice (a window dim of the scatter, updates [T, Hkv, D]) rather than an
+    # arange index: a pool sharded on heads is then written shard-locally, with no collective.
+    if layer is None:  # adjacent advanced indices stay in place: updates would be [Hkv, T, D]
+        k_new, v_new = k_new.swapaxes(0, 1), v_new.swapaxes(0, 1)
+        idx = (slice(None), block, offset)
+    else:
+        idx = (jnp.asarray(layer, jnp.int32), slice(None), block, offset)
     k_cache = k_cache.at[idx].set(k_new.astype(k_cache.dtype), mode="drop")
     v_cache = v_cache.at[idx].set(v_new.astype(v_cache.dtype), mode="drop")
     return k_cache, v_cache

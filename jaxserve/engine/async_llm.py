@@ -45,7 +45,12 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs):
+        """One engine, or with --data-parallel-size > 1 a DataParallelAsyncLLM of replicas."""
+        if args.data_parallel_size > 1:
+            from jaxserve.engine.data_parallel import DataParallelAsyncLLM
+
+            return DataParallelAsyncLLM.from_engine_args(args)
         return cls(LLMEngine(args))
 
     def startup_report(self) -> str:

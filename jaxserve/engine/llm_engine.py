@@ -19,6 +19,9 @@ from typing import Iterable
 import jax
 import numpy as np
 
+from jax.sharding import Mesh
+
+from jaxserve import parallel
 from jaxserve.engine import output_processor as op
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.kv_sizing import needs_profile, num_device_blocks
@@ -38,14 +41,28 @@ CPU_MAX_MODEL_LEN = 2048  # default cap on CPU, where long contexts are impracti
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True) -> None:
+    def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True,
+                 mesh: Mesh | None = None) -> None:
+        """`mesh`: this replica's devices (axes data=1, model=tp); built from args when None."""
         t0 = time.perf_counter()
         self.args = args
         if args.compilation_cache_dir:
             # A restart with the same model and shapes then loads its programs instead of compiling.
             jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        self.model = model or load_model(args.model, args.dtype, progress)
+        if args.data_parallel_size > 1 and mesh is None:
+            raise ValueError("data_parallel_size: one LLMEngine is one replica; data parallelism runs "
+                             "several behind the server (`jaxserve serve --data-parallel-size N`)")
+        if mesh is None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
+            parallel.check_parallel_config(args.tensor_parallel_size, 1, args.pipeline_parallel_size,
+                                           jax.device_count())
+            mesh = parallel.make_mesh(args.tensor_parallel_size, 1)
+        self.mesh = mesh
+        if model is None:
+            model = load_model(args.model, args.dtype, progress, mesh=mesh)
+        elif mesh is not None:
+            model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
+        self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
         if args.chat_template and self.tokenizer is not None:
@@ -56,8 +73,9 @@ class LLMEngine:
         max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
                                                      else self.max_model_len)
         dtype = jax.tree.leaves(self.model.params)[0].dtype
-        per_block = kv_bytes_per_block(cfg, args.block_size, dtype)
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.model.params))
+        per_block = kv_bytes_per_block(cfg, args.block_size, dtype, mesh)
+        # What one device holds: its shard of each weight.
+        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
         min_blocks = -(-self.max_model_len // args.block_size)
         backend = resolve_backend(args.attention_backend)
         runner_config = functools.partial(
@@ -74,7 +92,7 @@ class LLMEngine:
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks))
         self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
-                                                            num_cpu_blocks=self.num_cpu_blocks))
+                                                            num_cpu_blocks=self.num_cpu_blocks), mesh)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)
@@ -214,7 +232,9 @@ class LLMEngine:
 
     def startup_report(self) -> str:
         per_req = -(-self.max_model_len // self.args.block_size)
-        return (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
+        sharding = ("" if self.mesh is None else
+                    "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
+        return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
                 f"loaded in {self.load_seconds:.1f}s; KV pool: {self.num_gpu_blocks} blocks of "
                 f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "

@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxserve import parallel
 from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
@@ -107,12 +109,15 @@ class RunnerConfig:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, rc: RunnerConfig) -> None:
+    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
-        self.params = model.params
+        self.params = model.params  # already sharded over `mesh` when there is one
         dtype = jax.tree.leaves(self.params)[0].dtype
-        self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
-                                self.cfg.head_dim, dtype)
+        if mesh is None:
+            self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
+                                    self.cfg.head_dim, dtype)
+        else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
+            self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
         self.token_buckets = buckets(16, max(16, rc.max_num_batched_tokens))
         self.seq_buckets = buckets(8, max(8, rc.max_num_seqs))
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
@@ -269,6 +274,9 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
 
 
-def kv_bytes_per_block(cfg, block_size: int, dtype) -> int:
-    """K and V bytes of one block across all layers."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_block(cfg, block_size: int, dtype, mesh: Mesh | None = None) -> int:
+    """K and V bytes of one block across all layers, on one device (its shard, under a mesh)."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, 1, block_size, cfg.head_dim)
+    if mesh is not None:
+        shape = parallel.kv_cache_sharding(mesh, cfg).shard_shape(shape)
+    return 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize

@@ -33,9 +33,17 @@ LAYER_TENSORS: dict[str, tuple[str, bool]] = {
 TensorGetter = Callable[[str], np.ndarray]  # raises KeyError when the tensor is absent
 
 
+# (leaf path such as "embed" or "layers/wq", host array, dtype) -> device array; see jaxserve.parallel.place_fn
+PlaceFn = Callable[[str, np.ndarray, jnp.dtype], jax.Array]
+
+
 def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, source: str,
-                    progress: bool = True) -> Params:
-    """Read every tensor through `get`, check its shape, stack the layers and place them on device."""
+                    progress: bool = True, place_leaf: PlaceFn | None = None) -> Params:
+    """Read every tensor through `get`, check its shape, stack the layers and place them on device.
+
+    `place_leaf` puts each stacked leaf on device; the default copies it whole to the
+    default device, `jaxserve.parallel.place_fn(mesh, cfg)` sends each device only its slice.
+    """
     shapes = param_shapes(cfg)
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + len(shapes["layers"])
     bar = tqdm(total=total, desc=f"Loading {source}", unit="tensor", disable=not progress)
@@ -51,25 +59,26 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
             raise ValueError(f"{source}: tensor {name!r} has shape {arr.shape}, expected {stored}")
         return arr.T if transpose else arr
 
-    def place(arr: np.ndarray, expected: tuple[int, ...], name: str) -> jax.Array:
+    def place(arr: np.ndarray, expected: tuple[int, ...], name: str, leaf: str) -> jax.Array:
         if arr.shape != expected:
             raise ValueError(f"{source}: tensor {name!r} has shape {arr.shape}, expected {expected}")
         bar.update(1)
-        return jnp.asarray(arr.astype(np.float32) if arr.dtype != np.float32 else arr, dtype=dtype)
+        arr = arr.astype(np.float32) if arr.dtype != np.float32 else arr
+        return jnp.asarray(arr, dtype=dtype) if place_leaf is None else place_leaf(leaf, arr, dtype)
 
     params: Params = {"embed": place(fetch("model.embed_tokens.weight", False, shapes["embed"]), shapes["embed"],
-                                     "model.embed_tokens.weight")}
+                                     "model.embed_tokens.weight", "embed")}
     layers = {}
     for leaf, expected in shapes["layers"].items():
         hf_name, transpose = LAYER_TENSORS[leaf]
         stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
                              for i in range(cfg.num_layers)])
-        layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}")
+        layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}", f"layers/{leaf}")
     params["layers"] = layers
     params["final_norm"] = place(fetch("model.norm.weight", False, shapes["final_norm"]), shapes["final_norm"],
-                                 "model.norm.weight")
+                                 "model.norm.weight", "final_norm")
     if not cfg.tie_word_embeddings:
         params["lm_head"] = place(fetch("lm_head.weight", True, shapes["lm_head"]), shapes["lm_head"],
-                                  "lm_head.weight")
+                                  "lm_head.weight", "lm_head")
     bar.close()
     return params

@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
-from jaxserve.weights.assemble import assemble_params
+from jaxserve.weights.assemble import PlaceFn, assemble_params
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -103,7 +103,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True) -> Params:
+def load_gguf(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
+              place_leaf: PlaceFn | None = None) -> Params:
     tensors = {t.name: t for t in reader.tensors}
     arch = field(reader, "general.architecture")
 
@@ -127,4 +128,4 @@ def load_gguf(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: jnp.dtype
                 w = _unpermute(w, heads)
         return w
 
-    return assemble_params(cfg, get, dtype, str(path), progress)
+    return assemble_params(cfg, get, dtype, str(path), progress, place_leaf)

@@ -77,7 +77,9 @@ def resolve_model_path(model: str | None) -> Path:
     raise FileNotFoundError(f"model {model!r}: no such file or directory")
 
 
-def load_model(model: str | None = None, dtype: str = "auto", progress: bool = True) -> LoadedModel:
+def load_model(model: str | None = None, dtype: str = "auto", progress: bool = True,
+               mesh: "jax.sharding.Mesh | None" = None) -> LoadedModel:
+    """With a `mesh`, every weight goes straight into its tensor-parallel shards."""
     path = resolve_model_path(model)
     jdtype = resolve_dtype(dtype)
     name = model or "SmolLM2-135M-Instruct"
@@ -89,18 +91,30 @@ def load_model(model: str | None = None, dtype: str = "auto", progress: bool = T
 
         reader = gguf_file.open_gguf(path)
         cfg = gguf_file.read_config(reader, path)
-        params = gguf_file.load_gguf(reader, path, cfg, jdtype, progress)
+        params = gguf_file.load_gguf(reader, path, cfg, jdtype, progress, _placer(mesh, cfg))
         return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path)
     if (path / CHECKPOINT_MARKER).is_file():
         from jaxserve.weights.convert import load_checkpoint
 
         cfg, params = load_checkpoint(path, jdtype)
+        if mesh is not None:
+            from jaxserve.parallel import shard_params
+
+            params = shard_params(params, mesh, cfg)
         return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
     from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_config
 
     cfg = read_config(path)
-    params = load_safetensors_dir(path, cfg, jdtype, progress)
+    params = load_safetensors_dir(path, cfg, jdtype, progress, _placer(mesh, cfg))
     return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
+
+
+def _placer(mesh, cfg: ModelConfig):
+    if mesh is None:
+        return None
+    from jaxserve.parallel import place_fn
+
+    return place_fn(mesh, cfg)
 
 
 def _dir_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 from safetensors import safe_open
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
-from jaxserve.weights.assemble import assemble_params
+from jaxserve.weights.assemble import PlaceFn, assemble_params
 
 
 def read_config(model_dir: Path) -> ModelConfig:
@@ -64,7 +65,8 @@ def _open(path: Path):
         raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
 
 
-def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True) -> Params:
+def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
+                         place_leaf: PlaceFn | None = None) -> Params:
     files = _tensor_files(model_dir)
     handles: dict[Path, object] = {}
 
@@ -77,8 +79,11 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
                 raise FileNotFoundError(f"{f}: listed in the index but missing")
             handles[f] = _open(f)
         try:
-            return handles[f].get_tensor(name)
+            # Read onto the host CPU device: no accelerator ever holds a whole weight when
+            # `place_leaf` sends each one straight to its tensor-parallel shards.
+            with jax.default_device(jax.devices("cpu")[0]):
+                return handles[f].get_tensor(name)
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
 
-    return assemble_params(cfg, get, dtype, str(model_dir), progress)
+    return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf)

@@ -83,15 +83,17 @@ class BaseServing:
                 param=max_tokens_param, code="context_length_exceeded")
         return max_tokens
 
-    @staticmethod
-    def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    def logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
         if raw is None:
             return None
         try:
-            return {int(k): v for k, v in raw.items()}
+            bias = {int(k): v for k, v in raw.items()}
         except ValueError:
             raise OpenAIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias",
                               code="invalid_value") from None
+        # Checked here: the device-side scatter would silently drop an out-of-range id.
+        self.check_token_ids(list(bias), "logit_bias")
+        return bias
 
     @staticmethod
     def sampling_params(aliases: dict[str, str] | None = None, **kwargs: object) -> SamplingParams:
