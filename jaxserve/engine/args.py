@@ -35,7 +35,9 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"  # auto: pallas on GPU, reference (XLA) on CPU
     chat_template: str | None = None
-    compilation_cache_dir: str | None = None  # JAX persistent compilation cache
+    # JAX's persistent compilation cache: a restart loads the compiled buckets instead of compiling.
+    # "" disables it.
+    compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:

@@ -12,6 +12,7 @@ A user request with n (or best_of) > 1 becomes that many scheduler Requests; the
 from __future__ import annotations
 
 import dataclasses
+import os
 import functools
 import time
 from typing import Iterable
@@ -48,7 +49,7 @@ class LLMEngine:
         self.args = args
         if args.compilation_cache_dir:
             # A restart with the same model and shapes then loads its programs instead of compiling.
-            jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
         if args.data_parallel_size > 1 and mesh is None:
             raise ValueError("data_parallel_size: one LLMEngine is one replica; data parallelism runs "
@@ -136,7 +137,12 @@ class LLMEngine:
         if params.use_beam_search:
             raise ValueError("use_beam_search: beam search is not supported yet; use n/best_of sampling")
         if params.best_of > self.args.max_num_seqs:
-            raise ValueError(f"best_of: {params.best_of} samples exceed max_num_seqs ({self.args.max_num_seqs})")
+            field = "best_of" if params.best_of > params.n else "n"
+            raise ValueError(f"{field}: {params.best_of} parallel samples exceed max_num_seqs "
+                             f"({self.args.max_num_seqs}), so they could never run together")
+        bad_bias = next((t for t in (params.logit_bias or {}) if not 0 <= t < vocab), None)
+        if bad_bias is not None:
+            raise ValueError(f"logit_bias: token id {bad_bias} is out of range for a vocabulary of {vocab}")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
