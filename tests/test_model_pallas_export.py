@@ -1,0 +1,41 @@
+"""The model with the Pallas attention backend lowers for NVIDIA GPUs (Triton) from this CPU machine.
+
+This catches lowering errors of the kernels as the model calls them (stacked 5-D cache and a
+traced layer index inside lax.scan, GQA group padding) without a GPU; it does not run them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jaxserve.engine.batch import StepInput, pack
+from jaxserve.engine.scheduler_types import ScheduledRequest, SchedulerOutput
+from jaxserve.models import llama
+from jaxserve.models.config import ModelConfig
+
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=576, intermediate_size=256,
+                  num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2's attention shapes
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_model_step_with_pallas_backend_lowers_for_cuda(dtype):
+    shapes = llama.param_shapes(CFG)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    num_blocks, block_size, max_len = 64, 16, 256
+    kv = tuple(jax.ShapeDtypeStruct((CFG.num_layers, CFG.num_kv_heads, num_blocks, block_size, CFG.head_dim), dtype)
+               for _ in range(2))
+    out = SchedulerOutput([ScheduledRequest("a", [1] * 20, 0, [3, 4], True),
+                           ScheduledRequest("b", [2], 40, [5, 6, 7], True)], 21)
+    batch, _ = pack(out, 32, 8, max_len // block_size, block_size)
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.asarray(a).shape, np.asarray(a).dtype), batch)
+
+    def step(params, kv, b: StepInput):
+        return llama.forward(params, CFG, kv, b.token_ids, b.positions, b.attn, backend="pallas")
+
+    exp = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(params, kv, batch)
+    assert "xla.gpu.triton" in exp.mlir_module()
