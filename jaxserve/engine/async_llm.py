@@ -89,30 +89,27 @@ class AsyncLLM:
         text, ids = self.engine.encode_prompt(prompt)
         beam_search.check(params)
         self.engine.validate(ids, dataclasses.replace(params, use_beam_search=False))
-        width, eos = beam_search.width_of(params), tuple(self.engine.model.config.eos_token_ids)
-        step = beam_search.step_params(params, width)
-        live, done, rnd = [beam_search.Beam()], [], 0
+        step = beam_search.step_params(params, beam_search.width_of(params))
+        search = beam_search.search(ids, params, self.max_model_len, tuple(self.engine.model.config.eos_token_ids))
 
-        async def one(k: int, beam: beam_search.Beam) -> RequestOutput:
+        async def one(tokens: list[int], name: str) -> list[tuple[int, float]]:
             final = None
-            async for out in self.generate(ids + beam.tokens, step, f"{request_id}-beam{rnd}.{k}"):
+            async for out in self.generate(tokens, step, name):
                 final = out
-            return final
+            return beam_search.candidates_from(final)
 
-        while live:
-            for b in live:
-                if len(ids) + len(b.tokens) >= self.max_model_len:
-                    b.finish_reason = "length"
-            done += [b for b in live if b.finish_reason]
-            pending = [b for b in live if not b.finish_reason]
-            outs = await asyncio.gather(*(one(k, b) for k, b in enumerate(pending)))
-            live, finished = beam_search.expand(pending, [beam_search.candidates_from(o) for o in outs],
-                                                params, width, eos)
-            done += finished
+        rnd, candidates = 0, None
+        while True:
+            try:
+                prompts = search.send(candidates)
+            except StopIteration as stop:
+                beams = stop.value
+                break
+            candidates = await asyncio.gather(*(one(t, f"{request_id}-beam{rnd}.{k}") for k, t in enumerate(prompts)))
             rnd += 1
         tok = self.tokenizer
         decode = (lambda t: tok.decode(t, skip_special_tokens=True)) if tok is not None else (lambda t: "")
-        yield beam_search.to_output(request_id, text, ids, beam_search.best(done, [], params), decode)
+        yield beam_search.to_output(request_id, text, ids, beams, decode)
 
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))

@@ -10,7 +10,7 @@ ranked by vLLM's score, cumulative logprob / (generated length ** length_penalty
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Generator
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -52,11 +52,28 @@ def expand(beams: list[Beam], candidates: list[list[tuple[int, float]]], params:
     return live, done
 
 
-def best(finished: list[Beam], live: list[Beam], params: SamplingParams) -> list[Beam]:
-    for b in live:
-        b.finish_reason = b.finish_reason or "length"
-    ranked = sorted(finished + live, key=lambda b: b.score(params.length_penalty), reverse=True)
-    return ranked[: params.n]
+Search = Generator[list[list[int]], list[list[tuple[int, float]]], list[Beam]]
+
+
+def search(prompt_ids: list[int], params: SamplingParams, max_model_len: int, eos_ids: tuple[int, ...]) -> Search:
+    """The search as a coroutine, whatever drives the engine: it yields each round's
+    one-token prompts (prompt + beam), is sent back each prompt's candidates
+    [(token, logprob)] best first, and returns the n best beams."""
+    width = width_of(params)
+    live: list[Beam] = [Beam()]
+    done: list[Beam] = []
+    while live:
+        for b in live:
+            if len(prompt_ids) + len(b.tokens) >= max_model_len:
+                b.finish_reason = "length"
+        done += [b for b in live if b.finish_reason]
+        pending = [b for b in live if not b.finish_reason]
+        if not pending:
+            break
+        candidates = yield [prompt_ids + b.tokens for b in pending]
+        live, finished = expand(pending, candidates, params, width, eos_ids)
+        done += finished
+    return sorted(done, key=lambda b: b.score(params.length_penalty), reverse=True)[: params.n]
 
 
 def to_output(request_id: str, prompt: str | None, prompt_ids: list[int], beams: list[Beam],

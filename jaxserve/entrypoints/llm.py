@@ -79,29 +79,29 @@ class LLM:
             beam_search.check(p)
             engine.validate(ids, dataclasses.replace(p, use_beam_search=False))
         eos = tuple(engine.model.config.eos_token_ids)
-        live = [[beam_search.Beam()] for _ in prompts]
-        done: list[list[beam_search.Beam]] = [[] for _ in prompts]
-        while any(live):
-            pending = []
-            for i, ((_, ids), p) in enumerate(zip(encoded, params)):
-                for b in live[i]:
-                    if len(ids) + len(b.tokens) >= engine.max_model_len:
-                        b.finish_reason = "length"
-                        continue
-                    pending.append((i, b, ids + b.tokens, beam_search.step_params(p, beam_search.width_of(p))))
-            outs = self.generate([{"prompt_token_ids": t} for _, _, t, _ in pending], [sp for *_, sp in pending],
-                                 use_tqdm=False) if pending else []
-            cands: dict[int, list] = {i: ([], []) for i in range(len(prompts))}
-            for (i, b, _, _), out in zip(pending, outs):
-                cands[i][0].append(b)
-                cands[i][1].append(beam_search.candidates_from(out))
-            for i, p in enumerate(params):
-                done[i] += [b for b in live[i] if b.finish_reason]  # hit max_model_len
-                live[i], finished = beam_search.expand(cands[i][0], cands[i][1], p, beam_search.width_of(p), eos)
-                done[i] += finished
+        searches = [beam_search.search(ids, p, engine.max_model_len, eos) for (_, ids), p in zip(encoded, params)]
+        rounds: dict[int, list[list[int]]] = {}
+        results: dict[int, list[beam_search.Beam]] = {}
+
+        def advance(i: int, candidates=None) -> None:
+            try:
+                rounds[i] = searches[i].send(candidates)
+            except StopIteration as stop:
+                rounds.pop(i, None)
+                results[i] = stop.value
+
+        for i in range(len(prompts)):
+            advance(i)
+        while rounds:  # all prompts' beams of one round go to the engine together
+            batch = [(i, ids) for i in sorted(rounds) for ids in rounds[i]]
+            step = {i: beam_search.step_params(params[i], beam_search.width_of(params[i])) for i in rounds}
+            outs = self.generate([{"prompt_token_ids": ids} for _, ids in batch], [step[i] for i, _ in batch],
+                                 use_tqdm=False)
+            for i in list(rounds):
+                advance(i, [beam_search.candidates_from(o) for (j, _), o in zip(batch, outs) if j == i])
         decode = (lambda t: engine.tokenizer.decode(t, skip_special_tokens=True)) if engine.tokenizer else (lambda t: "")
-        return [beam_search.to_output(str(next(self._ids)), text, ids, beam_search.best(done[i], [], p), decode)
-                for i, ((text, ids), p) in enumerate(zip(encoded, params))]
+        return [beam_search.to_output(str(next(self._ids)), text, ids, results[i], decode)
+                for i, (text, ids) in enumerate(encoded)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
