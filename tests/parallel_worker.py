@@ -5,7 +5,7 @@ already initialised it with one CPU device; so tests/test_parallel.py runs this
 file with XLA_FLAGS=--xla_force_host_platform_device_count=8 and reads back
 one JSON line per check.
 
-    python -m tests.parallel_worker families,layout
+    python -m tests.parallel_worker families,layout,loading
     python -m tests.parallel_worker default_model REF.json
 """
 
@@ -199,6 +199,90 @@ def check_layout() -> dict:
     return out
 
 
+def write_hf_dir(path, cfg: ModelConfig, host: dict) -> None:
+    """`host` params as an HF-format directory (config.json + model.safetensors, transformers' names)."""
+    from safetensors.numpy import save_file
+
+    from jaxserve.weights.assemble import LAYER_TENSORS
+
+    tensors = {"model.embed_tokens.weight": host["embed"], "model.norm.weight": host["final_norm"]}
+    if "lm_head" in host:
+        tensors["lm_head.weight"] = host["lm_head"].T
+    for leaf, stacked in host["layers"].items():
+        name, transpose = LAYER_TENSORS[leaf]
+        for i, x in enumerate(stacked):
+            tensors[f"model.layers.{i}.{name}"] = x.T if transpose else x
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, f"{path}/model.safetensors")
+    hf = dict(architectures=[cfg.architecture], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+              rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+              tie_word_embeddings=cfg.tie_word_embeddings)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(hf, f)
+
+
+def check_loading() -> dict:
+    """load_model(dir, mesh=4 devices) with parallel.place_fn and jax.make_array_from_callback
+    instrumented: per leaf, what each device's callback returned, which whole-leaf single-device
+    arrays were alive meanwhile, and where the loaded leaf's bytes ended up."""
+    import tempfile
+
+    from jaxserve.weights.loader import load_model
+
+    # Untied, so the vocabulary-split lm_head is loaded too; 2 kv heads < 4: replicated groups.
+    cfg = ModelConfig(**{**BASE, "num_kv_heads": 2, "vocab_size": 512})
+    host = random_params(cfg, seed=3)
+    mesh = parallel.make_mesh(4)
+    calls: dict[str, list[dict]] = {}  # leaf path -> one entry per callback
+    current: list[str] = []
+    real_place_fn, real_from_callback = parallel.place_fn, jax.make_array_from_callback
+
+    def place_fn(mesh, cfg):
+        place = real_place_fn(mesh, cfg)
+
+        def tagged(path, host_array, dtype):
+            current[:] = [path]
+            return place(path, host_array, dtype)
+
+        return tagged
+
+    def from_callback(shape, sharding, callback, *args, **kwargs):
+        log = calls.setdefault(current[0], [])
+        shape = tuple(shape)
+
+        def cb(index):
+            out = callback(index)
+            # A whole leaf on one device now would be a full copy made before splitting.
+            whole = [d.id for a in jax.live_arrays() if a.shape == shape and len(a.sharding.device_set) == 1
+                     for d in a.sharding.device_set]
+            log.append(dict(returned=list(np.shape(out)), expected=list(sharding.shard_shape(shape)),
+                            is_numpy=isinstance(out, np.ndarray), whole_on_device=whole))
+            return out
+
+        return real_from_callback(shape, sharding, cb, *args, **kwargs)
+
+    parallel.place_fn, jax.make_array_from_callback = place_fn, from_callback
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            write_hf_dir(d, cfg, host)
+            model = load_model(d, "float32", progress=False, mesh=mesh)
+    finally:
+        parallel.place_fn, jax.make_array_from_callback = real_place_fn, real_from_callback
+    leaves = {}
+    flat_host = {"/".join(k.key for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(host)[0]}
+    for path, x in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        name = "/".join(k.key for k in path)
+        per_device: dict[int, int] = {}
+        for s in x.addressable_shards:
+            per_device[s.device.id] = per_device.get(s.device.id, 0) + s.data.nbytes
+        leaves[name] = dict(shape=list(x.shape), nbytes=int(x.nbytes), spec=str(x.sharding.spec),
+                            per_device_bytes=per_device, equal=bool(np.array_equal(np.asarray(x), flat_host[name])),
+                            callbacks=calls.get(name, []))
+    return dict(leaves=leaves, mesh_devices=[d.id for d in mesh.devices.flat],
+                host_read_device=jax.local_devices(backend="cpu")[0].id)
+
+
 def check_default_model(ref_path: str) -> dict:
     """The default model at TP 2, teacher-forced on the transformers greedy tokens."""
     from jaxserve.weights.loader import load_model
@@ -219,7 +303,8 @@ def check_default_model(ref_path: str) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    checks = {"families": check_families, "layout": check_layout, "default_model": check_default_model}
+    checks = {"families": check_families, "layout": check_layout, "default_model": check_default_model,
+              "loading": check_loading}
     for what in argv[0].split(","):
         t0 = time.time()
         out = checks[what](*argv[1:]) if what == "default_model" else checks[what]()

@@ -43,7 +43,7 @@ def run_worker(*args: str, timeout: int = 600) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def multi_device() -> dict[str, dict]:
-    return run_worker("layout,families")
+    return run_worker("layout,families,loading")
 
 
 # ---- in-process: validation and the partition plan -------------------------------------------
@@ -169,6 +169,34 @@ def test_loading_places_only_each_devices_slice(multi_device):
             assert np.prod(shard) * 4 == np.prod(leaf["full"]), name  # a quarter, never the whole
         else:
             assert shard == leaf["full"], name
+
+
+def test_load_model_never_materialises_a_split_weight_whole_on_one_device(multi_device):
+    """load_model(HF dir, mesh=4 devices): every device callback returns only its shard's slice (numpy,
+    cut on the host), each device ends up holding exactly a quarter of every split weight, and no
+    whole weight sits on one device while the shards are made. The one exception is the reader's
+    host buffer: on CPU the host *is* device 0, so a weight stored in one piece (embed, final_norm)
+    lives there while it is split; on an accelerator that buffer is on the CPU backend."""
+    r = multi_device["loading"]
+    host_device = r["host_read_device"]
+    split = 0
+    for name, leaf in r["leaves"].items():
+        assert leaf["equal"], name
+        assert sorted(map(int, leaf["per_device_bytes"])) == r["mesh_devices"], name
+        callbacks = leaf["callbacks"]
+        assert 1 <= len(callbacks) <= 4, f"{name}: placed without make_array_from_callback"
+        for cb in callbacks:
+            assert cb["is_numpy"] and cb["returned"] == cb["expected"], f"{name}: a callback returned {cb}"
+            allowed = [host_device] if name in ("embed", "final_norm") else []
+            assert set(cb["whole_on_device"]) <= set(allowed), f"{name}: whole on device {cb['whole_on_device']}"
+        if "model" in leaf["spec"] or "kv_heads" in leaf["spec"]:
+            split += 1
+            groups = 2 if "kv_heads" in leaf["spec"] else 4  # 2 kv heads: each on 2 of the 4 devices
+            assert set(leaf["per_device_bytes"].values()) == {leaf["nbytes"] // groups}, name
+            assert all(cb["returned"] != leaf["shape"] for cb in callbacks), name
+        else:
+            assert set(leaf["per_device_bytes"].values()) == {leaf["nbytes"]}, name  # replicated: whole by design
+    assert split == 9  # embed, lm_head and every layer matrix: q, k, v, o, gate, up, down
 
 
 def test_summary_names_every_leaf_and_the_kv_pool(multi_device):

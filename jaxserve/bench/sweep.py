@@ -109,7 +109,7 @@ def recommend(rows: list[dict], param: str, ttft_slo_ms: float) -> dict[str, str
     else:
         chat = min(rows, key=lambda r: r["p99_ttft_ms"] or math.inf)
         chat_text = (f"chat: no value meets TTFT p99 <= {ttft_slo_ms:.0f} ms; the lowest is {param}={chat['value']} "
-                     f"({chat['p99_ttft_ms']:.0f} ms) -- lower the load or the parameter")
+                     f"({chat['p99_ttft_ms']:.0f} ms): lower the offered load (rate, concurrency) or add capacity")
     return {"chat": chat_text,
             "batch": f"batch (throughput): {param}={best_batch['value']} ({best_batch['output_throughput']:.1f} tok/s, "
                      f"TTFT p99 {best_batch['p99_ttft_ms']:.0f} ms)"}

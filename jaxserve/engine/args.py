@@ -38,6 +38,9 @@ class EngineArgs:
     # JAX's persistent compilation cache: a restart loads the compiled buckets instead of compiling.
     # "" disables it.
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
+    num_hosts: int = 1  # processes joined by jax.distributed; > 1: one tensor-parallel mesh over all of them
+    host_rank: int | None = None  # this process's rank; None: from the cluster environment (SLURM, ...)
+    coordinator: str | None = None  # ADDR:PORT of rank 0's coordinator; None: $JAX_COORDINATOR_ADDRESS
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -62,6 +65,11 @@ class EngineArgs:
         check(self.swap_space >= 0, "swap_space", "must be >= 0")
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             check(getattr(self, name) >= 1, name, "must be >= 1")
+        check(self.num_hosts >= 1, "num_hosts", f"must be >= 1, got {self.num_hosts}")
+        check(self.host_rank is None or 0 <= self.host_rank < (self.num_hosts if self.num_hosts > 1 else 1 << 30),
+              "host_rank", f"must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
+        check(self.coordinator is None or self.coordinator.rpartition(":")[2].isdigit(), "coordinator",
+              f"must be ADDR:PORT, got {self.coordinator!r}")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
               f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

@@ -11,7 +11,7 @@ DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
 def device_memory_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return stats.get("bytes_limit")
 
 

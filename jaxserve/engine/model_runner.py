@@ -7,19 +7,26 @@ Two programs run per step, both compiled during warm-up:
 Splitting them keeps the compile grid small: the model compiles once per token
 bucket T, and the LM head plus sampler once per (seq bucket S, sampler variant),
 instead of the product of all three.
+
+A step is `execute = run(prepare(...))`:
+    prepare(sched_out, requests, seeds) -> PreparedStep   host only: numpy batch, block ops, sampler inputs
+    run(prepared) -> ModelOutput                           device only: the same programs in the same order
+so a multi-host run (engine/multihost.py) builds the PreparedStep on rank 0, sends it to
+every other rank, and all ranks call `run` on it (JAX's multi-controller model).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import monitoring
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
@@ -108,6 +115,31 @@ class RunnerConfig:
         return -(-self.max_model_len // self.block_size)
 
 
+@dataclass(frozen=True)
+class PromptLogprobChunk:
+    rows: np.ndarray  # [PROMPT_LOGPROB_ROWS] i32, flat rows of this step's tokens, 0 padded
+    targets: np.ndarray  # [PROMPT_LOGPROB_ROWS] i32, the next prompt token at each row
+    entries: list[tuple[str, int, int, int]]  # (request id, prompt position, target id, top-N) per real row
+
+
+@dataclass(frozen=True)
+class PreparedStep:
+    """One step's device work as plain host data (numpy, ints, strings): picklable, so rank 0 of a
+    multi-host run can send it to the other ranks, which replay it with `ModelRunner.run`."""
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    batch: StepInput | None = None  # numpy leaves, padded to a token bucket; None: no model step
+    rows: np.ndarray | None = None  # [P] i32, each sampling request's last flat row, 0 padded
+    prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
+    sampling: SamplingMetadata | None = None  # numpy leaves, padded to a seq bucket; None: nobody samples
+    sample_ids: list[tuple[str, int]] = field(default_factory=list)  # (request id, top-N logprobs) per row
+
+    @property
+    def has_device_work(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copy_blocks) or self.batch is not None
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
@@ -126,6 +158,10 @@ class ModelRunner:
                       self.cfg.head_dim)
         self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
         self._model_step = functools.partial(_model_step, cfg=self.cfg, backend=rc.backend)
+        # A mesh over several processes: host inputs go to the programs as numpy (each process
+        # holds the same values), not device_put onto this process's default device.
+        self.multi_process = mesh is not None and not all(d.process_index == jax.process_index()
+                                                          for d in mesh.devices.flat)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -142,15 +178,15 @@ class ModelRunner:
                                                          np.zeros(self.num_rows, np.int32))
                 _gather_rows(full, q_rows)
                 bar.update(1)
-            jax.block_until_ready(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows))
+            _fetch(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows))
             for _, md in variants:
-                jax.block_until_ready(_sample_step(self.params, hidden, md))
+                _fetch(_sample_step(self.params, hidden, self._input(md)))
                 bar.update(1)
             pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
             self.kv = _copy_blocks(self.kv, np.zeros_like(pad), pad)
             bar.update(1)
             if self.host_kv is not None:
-                k, v = _gather_blocks(self.kv, np.zeros_like(pad))
+                k, v = _fetch(_gather_blocks(self.kv, np.zeros_like(pad)))
                 self.kv = _scatter_blocks(self.kv, pad, k, v)
                 bar.update(2)
         jax.block_until_ready(self.kv)
@@ -162,66 +198,94 @@ class ModelRunner:
         batch, _ = pack(_SO(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
         return batch
 
+    def _input(self, tree):
+        """Host inputs for a program: one device_put of the whole tree, or numpy across processes."""
+        return jax.device_get(tree) if self.multi_process else jax.device_put(tree)
+
     # ---- one step --------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput, requests: Mapping[str, Request], seeds: Mapping[str, int]) -> ModelOutput:
-        self._apply_block_ops(out)
+        return self.run(self.prepare(out, requests, seeds))
+
+    def prepare(self, out: SchedulerOutput, requests: Mapping[str, Request],
+                seeds: Mapping[str, int]) -> PreparedStep:
+        """Everything host-side: pack the batch, pick the sampling rows, build the sampler inputs."""
+        ops = dict(swap_out=list(out.swap_out), swap_in=list(out.swap_in), copy_blocks=list(out.copy_blocks))
         if not out.scheduled:
-            return ModelOutput()
+            return PreparedStep(**ops)
         t = bucket_for(out.num_batched_tokens, self.token_buckets)
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
-        self.kv, hidden, full = self._model_step(self.params, self.kv, batch, rows)
-        prompt_lps = self._prompt_logprobs(out, requests, full)
+        prompt_lps = self._prompt_logprob_chunks(out, requests)
         sampling = [requests[sr.request_id] for sr in out.scheduled if sr.sample]
         if not sampling:
-            return ModelOutput(prompt_logprobs=prompt_lps)
-        md = SamplingMetadata.build(
+            return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps)
+        md = SamplingMetadata.build_host(
             [RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens, r.prompt_token_ids,
                      r.output_token_ids) for r in sampling],
             bucket_for(len(sampling), self.seq_buckets), self.rc.max_model_len)
-        so = jax.device_get(_sample_step(self.params, hidden, md))
+        return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps, sampling=md,
+                            sample_ids=[(r.request_id, r.sampling_params.logprobs or 0) for r in sampling])
+
+    def run(self, p: PreparedStep) -> ModelOutput:
+        """Everything on the device, from host data only: every rank of a multi-host run calls this
+        with the same PreparedStep and so issues the same programs in the same order."""
+        self._apply_block_ops(p)
+        if p.batch is None:
+            return ModelOutput()
+        self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows)
+        prompt_lps = self._prompt_logprobs(p.prompt_logprobs, full)
+        if p.sampling is None:
+            return ModelOutput(prompt_logprobs=prompt_lps)
+        so = _fetch(_sample_step(self.params, hidden, self._input(p.sampling)))
         result = {}
-        for i, r in enumerate(sampling):
-            n = r.sampling_params.logprobs or 0
+        for i, (rid, n) in enumerate(p.sample_ids):
             top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])] if n else None
-            result[r.request_id] = SampledToken(int(so.token_ids[i]), float(so.logprobs[i]), top, int(so.ranks[i]))
+            result[rid] = SampledToken(int(so.token_ids[i]), float(so.logprobs[i]), top, int(so.ranks[i]))
         return ModelOutput(result, prompt_lps)
 
-    def _prompt_logprobs(self, out: SchedulerOutput, requests: Mapping[str, Request],
-                         hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
-        """Logprobs of prompt tokens 1.. for requests that asked, from this step's hidden states."""
-        wanted = []  # (request id, prompt position of the target token, flat row, target id)
+    def _prompt_logprob_chunks(self, out: SchedulerOutput,
+                               requests: Mapping[str, Request]) -> list[PromptLogprobChunk]:
+        """Which of this step's rows score prompt tokens 1.. for requests that asked, in program-sized chunks."""
+        wanted = []  # (request id, prompt position of the target token, flat row, target id, top-N)
         row = 0
         for sr in out.scheduled:
             req = requests[sr.request_id]
             prompt = req.prompt_token_ids
-            if req.sampling_params.prompt_logprobs is not None:
+            n = req.sampling_params.prompt_logprobs
+            if n is not None:
                 for j in range(len(sr.token_ids)):
                     pos = sr.start_pos + j
                     if pos + 1 < len(prompt):
-                        wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1]))
+                        wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1], n))
             row += len(sr.token_ids)
-        result: dict[str, dict[int, SampledToken]] = {}
+        chunks = []
         for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
             rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
             targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
             rows[: len(chunk)] = [c[2] for c in chunk]
             targets[: len(chunk)] = [c[3] for c in chunk]
-            so = jax.device_get(_prompt_logprobs_step(self.params, _gather_rows(hidden, rows), targets))
-            for i, (rid, pos, _, tok) in enumerate(chunk):
-                n = requests[rid].sampling_params.prompt_logprobs
+            chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
+        return chunks
+
+    def _prompt_logprobs(self, chunks: list[PromptLogprobChunk],
+                         hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
+        """Logprobs of the chunks' prompt tokens, from this step's hidden states."""
+        result: dict[str, dict[int, SampledToken]] = {}
+        for c in chunks:
+            so = _fetch(_prompt_logprobs_step(self.params, _gather_rows(hidden, c.rows), c.targets))
+            for i, (rid, pos, tok, n) in enumerate(c.entries):
                 top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])]
                 result.setdefault(rid, {})[pos] = SampledToken(tok, float(so.logprobs[i]), top, int(so.ranks[i]))
         return result
 
-    def _apply_block_ops(self, out: SchedulerOutput) -> None:
+    def _apply_block_ops(self, p: PreparedStep) -> None:
         # The scheduler's order: a block freed by a swap-out may be this step's swap-in or copy target.
-        if out.swap_out:
-            self._swap_out(out.swap_out)
-        if out.swap_in:
-            self._swap_in(out.swap_in)
-        for chunk in _chunks(out.copy_blocks, self.copy_width):
+        if p.swap_out:
+            self._swap_out(p.swap_out)
+        if p.swap_in:
+            self._swap_in(p.swap_in)
+        for chunk in _chunks(p.copy_blocks, self.copy_width):
             src, dst = self._pad_pairs(chunk)
             self.kv = _copy_blocks(self.kv, src, dst)
 
@@ -235,7 +299,7 @@ class ModelRunner:
         assert self.host_kv is not None, "swap_out without a host pool"
         for chunk in _chunks(pairs, self.copy_width):
             dev, _ = self._pad_pairs(chunk)
-            k, v = jax.device_get(_gather_blocks(self.kv, dev))
+            k, v = _fetch(_gather_blocks(self.kv, dev))
             host_ids = [c for _, c in chunk]
             self.host_kv[0][:, :, host_ids] = k[:, :, : len(chunk)]
             self.host_kv[1][:, :, host_ids] = v[:, :, : len(chunk)]
@@ -256,6 +320,24 @@ class ModelRunner:
 
 def _chunks(items: list, size: int) -> list[list]:
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _fetch(tree):
+    """Device outputs to host numpy. An array spread over several processes' devices is read
+    from this process's replica when fully replicated, else all-gathered (a collective that
+    every process runs, as every process runs the same `run`)."""
+    leaves = jax.tree.leaves(tree)
+    if all(x.is_fully_addressable for x in leaves):
+        return jax.device_get(tree)
+
+    def one(x: jax.Array) -> np.ndarray:
+        if x.is_fully_addressable:
+            return np.asarray(x)
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
 
 
 def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:

@@ -55,7 +55,7 @@ def load_checkpoint(path: Path, dtype: jnp.dtype) -> tuple[ModelConfig, Params]:
     cfg = ModelConfig.from_dict(marker["config"])
     # Restore into an explicit target: straight to this process's first device (the saved sharding
     # names the device it was converted on, e.g. cpu:0) and in the requested dtype (cast on read).
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     with ocp.StandardCheckpointer() as ckpt:
         saved = ckpt.metadata(path.resolve() / "params").item_metadata.tree
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, dtype, sharding=sharding), saved)

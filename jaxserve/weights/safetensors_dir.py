@@ -81,7 +81,7 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
         try:
             # Read onto the host CPU device: no accelerator ever holds a whole weight when
             # `place_leaf` sends each one straight to its tensor-parallel shards.
-            with jax.default_device(jax.devices("cpu")[0]):
+            with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's (multi-host)
                 return handles[f].get_tensor(name)
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None

@@ -206,10 +206,17 @@ def serve_app(app: Starlette, server: cli_args.ServerArgs) -> None:
 
 def run_server(config: cli_args.ServeConfig) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut the engine down; 0 after a clean stop."""
+    from jaxserve.engine import multihost
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
     start = time.monotonic()
-    engine = AsyncLLM.from_engine_args(config.engine)
+    if multihost.is_enabled(config.engine):  # --num-hosts: rank 0 serves and schedules, the others follow
+        multihost.initialize(config.engine)
+        if not multihost.is_leader():
+            return multihost.run_worker(config.engine)
+        engine = AsyncLLM(multihost.leader_engine(config.engine))
+    else:
+        engine = AsyncLLM.from_engine_args(config.engine)
     log_startup(engine, config.engine, time.monotonic() - start)
     try:
         app = build_app(engine, api_key=config.server.api_key, chat_template=config.engine.chat_template,
@@ -217,6 +224,8 @@ def run_server(config: cli_args.ServeConfig) -> int:
         serve_app(app, config.server)
     finally:
         engine.shutdown()
+        if isinstance(engine, AsyncLLM):
+            multihost.stop_workers(engine.engine)
     return 0
 
 

@@ -1,0 +1,198 @@
+"""Many hosts, one tensor-parallel mesh: JAX's multi-controller model behind one server.
+
+Every process runs this same code; `jax.distributed` joins them and `jax.devices()`
+then lists every host's devices, so the engine's mesh (and the sharded weights and
+KV pool on it) spans all of them. Each jitted program must be issued by every
+process, in the same order, with the same host inputs; so only rank 0 schedules:
+
+    rank 0: HTTP server, scheduler, LLMEngine.step()
+              runner.prepare(sched_out) -> PreparedStep ---(key-value store)---+
+              runner.run(prepared)  <- the collectives meet ->                 |
+    rank r:                                 runner.run(prepared)  <-----------+  (loop until STOP)
+
+Start-up (loading, KV sizing, warm-up) is identical on every rank: each builds the
+same LLMEngine from the same flags (checked against rank 0's), so the warm-up programs
+line up without messages. A PreparedStep is plain numpy and ints; it travels through
+jax.distributed's own key-value store (the coordinator rank 0 already runs), one key
+per (receiver, step), deleted by the receiver, so nothing accumulates. It is a pickle:
+like torch.distributed, the hosts of one deployment trust each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pickle
+import time
+import zlib
+from typing import Any
+
+import jax
+
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.model_runner import ModelRunner, PreparedStep
+from jaxserve.engine.scheduler_types import ModelOutput
+
+log = logging.getLogger(__name__)
+_PREFIX = "jaxserve"
+_POLL_MS = 1000  # a worker's wait for the next step is re-armed this often (the server may idle for hours)
+
+
+def is_enabled(args: EngineArgs) -> bool:
+    """--num-hosts > 1, --coordinator, or the standard JAX_COORDINATOR_ADDRESS environment variable."""
+    return args.num_hosts > 1 or args.coordinator is not None or "JAX_COORDINATOR_ADDRESS" in os.environ
+
+
+def initialize(args: EngineArgs) -> None:
+    """jax.distributed.initialize from the flags (unset ones from JAX's cluster detection). Must run
+    before anything touches a JAX backend; on CPU the collectives go over gloo (TCP)."""
+    if jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator,
+                               num_processes=args.num_hosts if args.num_hosts > 1 else None,
+                               process_id=args.host_rank)
+    log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
+             jax.process_count(), jax.local_device_count(), jax.device_count())
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def _client():
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized; call multihost.initialize(args) first")
+    return client
+
+
+class StepChannel:
+    """Rank 0 -> every other rank: one pickled message per step through the key-value store."""
+
+    def __init__(self, timeout_s: float | None = None) -> None:
+        self.client, self.rank, self.num_ranks = _client(), jax.process_index(), jax.process_count()
+        self.timeout_s = timeout_s  # a worker's longest wait for one message; None: forever
+        self.seq = 0
+
+    def _key(self, rank: int) -> str:
+        return f"{_PREFIX}/step/{rank}/{self.seq}"
+
+    def send(self, msg: PreparedStep | None) -> None:
+        data = zlib.compress(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        for rank in range(1, self.num_ranks):
+            self.client.key_value_set_bytes(self._key(rank), data)
+        self.seq += 1
+
+    def recv(self) -> PreparedStep | None:
+        key, start = self._key(self.rank), time.monotonic()
+        while True:
+            try:
+                data = self.client.blocking_key_value_get_bytes(key, _POLL_MS)
+                break
+            except jax.errors.JaxRuntimeError as e:
+                waited = time.monotonic() - start
+                if "DEADLINE_EXCEEDED" not in str(e) or (self.timeout_s is not None and waited > self.timeout_s):
+                    raise
+        self.client.key_value_delete(key)
+        self.seq += 1
+        return pickle.loads(zlib.decompress(data))
+
+
+class LeaderRunner:
+    """Rank 0's runner: prepares each step, sends it to the other ranks, then runs it itself.
+    Steps with no device work (an idle engine) are not sent: the workers have nothing to match."""
+
+    def __init__(self, runner: ModelRunner, channel: StepChannel) -> None:
+        self.runner, self.channel = runner, channel
+        self.num_steps_sent = 0
+
+    def execute(self, out, requests, seeds) -> ModelOutput:
+        prepared = self.runner.prepare(out, requests, seeds)
+        if not prepared.has_device_work:
+            return ModelOutput()
+        self.channel.send(prepared)
+        self.num_steps_sent += 1
+        return self.runner.run(prepared)
+
+    def stop_workers(self) -> None:
+        self.channel.send(None)
+
+    def __getattr__(self, name: str) -> Any:  # kv, rc, warmup, ...: the wrapped runner's
+        return getattr(self.runner, name)
+
+
+def _agree(tag: str, value: object) -> None:
+    """Raise on a rank whose `value` differs from rank 0's: every rank must build the same engine,
+    or their programs would not line up (a hang, or silently wrong collectives)."""
+    client, rank = _client(), jax.process_index()
+    key = f"{_PREFIX}/agree/{tag.replace(' ', '_')}"
+    if rank == 0:
+        client.key_value_set(key, repr(value), allow_overwrite=True)
+        return
+    theirs = client.blocking_key_value_get(key, 600_000)
+    if theirs != repr(value):
+        raise ValueError(f"host rank {rank}: {tag} differs from rank 0's; start every host with the same "
+                         f"flags and model.\n  rank 0: {theirs}\n  rank {rank}: {value!r}")
+
+
+def _build_engine(args: EngineArgs, progress: bool) -> LLMEngine:
+    """The same LLMEngine on every rank: one tensor-parallel mesh over every host's devices."""
+    if args.data_parallel_size > 1:
+        raise ValueError("data_parallel_size: with --num-hosts > 1 the hosts form one tensor-parallel replica; "
+                         "run one multi-host deployment per replica instead")
+    if args.tensor_parallel_size != jax.device_count():
+        raise ValueError(f"tensor_parallel_size: {jax.process_count()} hosts with {jax.device_count()} devices "
+                         f"in all need --tensor-parallel-size {jax.device_count()} (one mesh over every "
+                         f"device); got {args.tensor_parallel_size}")
+    _agree("engine arguments", dataclasses.replace(args, host_rank=None))
+    engine = LLMEngine(args, progress=progress and is_leader())
+    _agree("runner config", engine.runner.rc)
+    return engine
+
+
+def leader_engine(args: EngineArgs, progress: bool = True) -> LLMEngine:
+    """Rank 0: an LLMEngine whose steps are mirrored on every other rank. Call `stop_workers`
+    when done, or the workers wait for the next step until their timeout."""
+    if not is_leader():
+        raise RuntimeError(f"leader_engine on host rank {jax.process_index()}; only rank 0 schedules")
+    engine = _build_engine(args, progress)
+    engine.runner = LeaderRunner(engine.runner, StepChannel())
+    return engine
+
+
+def stop_workers(engine: LLMEngine) -> None:
+    """Tell the other ranks the run is over (no-op for a single-host engine)."""
+    if isinstance(engine.runner, LeaderRunner):
+        engine.runner.stop_workers()
+
+
+def worker_engine(args: EngineArgs) -> LLMEngine:
+    """Ranks > 0: the same engine as rank 0's (its scheduler stays idle)."""
+    if is_leader():
+        raise RuntimeError("worker_engine on host rank 0; rank 0 runs the scheduler (leader_engine)")
+    return _build_engine(args, progress=False)
+
+
+def follow(engine: LLMEngine, timeout_s: float | None = None) -> int:
+    """Run every step rank 0 sends until it says stop; returns how many ran.
+    `timeout_s`: the longest wait for one step (None: forever, as a server may idle)."""
+    channel = StepChannel(timeout_s)
+    num_steps = 0
+    while (prepared := channel.recv()) is not None:
+        engine.runner.run(prepared)
+        num_steps += 1
+    return num_steps
+
+
+def run_worker(args: EngineArgs, timeout_s: float | None = None) -> int:
+    """A rank > 0 of `jaxserve serve`: no HTTP server, only rank 0's steps; 0 after rank 0's stop."""
+    engine = worker_engine(args)
+    num_steps = follow(engine, timeout_s)
+    log.info("host rank %d: ran %d steps from rank 0, %d compilations after warm-up", jax.process_index(),
+             num_steps, engine.get_stats().num_compilations_after_warmup)
+    return 0

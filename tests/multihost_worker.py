@@ -1,0 +1,104 @@
+"""One process of tests/test_multihost.py: a rank of a two-process jax.distributed run over gloo,
+or the single-process reference. Writes one JSON file.
+
+    python -m tests.multihost_worker reference MODEL_DIR OUT.json          (1 device, no mesh)
+    python -m tests.multihost_worker rank MODEL_DIR OUT.json PORT RANK     (2 processes, TP 2 over both)
+
+Rank 0 drives LLMEngine.step() itself (no HTTP); rank 1 follows with multihost.follow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# A small pool so requests are preempted by swapping (exercises the host pool across processes);
+# num_gpu_blocks_override keeps the block count, and so the schedule, the same at TP 1 and TP 2.
+ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=12,
+              block_size=8, dtype="float32", preemption_mode="swap", swap_space=0.01, compilation_cache_dir="")
+PROMPTS = [[(11 * i + 3 * j) % 900 + 20 for j in range(4 + 3 * i)] for i in range(6)]
+MAX_TOKENS = 24
+WORKER_TIMEOUT_S = 240  # a rank 1 that hears nothing from rank 0 for this long fails instead of hanging
+
+
+def requests():
+    from jaxserve.engine.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+    out = [(f"greedy-{i}", p, greedy) for i, p in enumerate(PROMPTS)]
+    out.append(("sampled", PROMPTS[2], SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=MAX_TOKENS,
+                                                      ignore_eos=True)))
+    out.append(("prompt-logprobs", PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                              prompt_logprobs=2)))
+    return out
+
+
+def drive(engine) -> dict:
+    """Every request at once through engine.step(); tokens, logprobs and prompt logprobs per request."""
+    for rid, prompt, params in requests():
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    results, steps, deadline = {}, 0, time.monotonic() + 300
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "engine did not finish in 300 s"
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                results[out.request_id] = dict(
+                    tokens=c.token_ids, text=c.text,
+                    logprobs=[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] if c.logprobs else None,
+                    prompt_logprobs=[None if d is None else {str(k): v.logprob for k, v in d.items()}
+                                     for d in (out.prompt_logprobs or [])])
+        steps += 1
+    stats = engine.get_stats()
+    return dict(results=results, steps=steps, num_preemptions=stats.num_preemptions,
+                compiles_after_warmup=stats.num_compilations_after_warmup)
+
+
+def main(argv: list[str]) -> None:
+    mode, model_dir, out_path = argv[:3]
+    from jaxserve.engine.args import EngineArgs
+
+    if mode == "reference":
+        import jax
+
+        from jaxserve.engine.llm_engine import LLMEngine
+
+        result = drive(LLMEngine(EngineArgs(model=model_dir, **ENGINE), progress=False))
+        result["num_devices"] = jax.device_count()
+    else:
+        port, rank = argv[3:5]
+        from jaxserve.engine import multihost
+
+        args = EngineArgs(model=model_dir, tensor_parallel_size=2, num_hosts=2, host_rank=int(rank),
+                          coordinator=f"127.0.0.1:{port}", **ENGINE)
+        multihost.initialize(args)
+        import jax
+
+        if multihost.is_leader():
+            engine = multihost.leader_engine(args, progress=False)
+            try:
+                result = drive(engine)
+                result["steps_sent"] = engine.runner.num_steps_sent
+            finally:
+                multihost.stop_workers(engine)
+        else:
+            engine = multihost.worker_engine(args)
+            result = dict(steps_run=multihost.follow(engine, timeout_s=WORKER_TIMEOUT_S),
+                          compiles_after_warmup=engine.get_stats().num_compilations_after_warmup)
+        result.update(process_count=jax.process_count(), num_devices=jax.device_count(),
+                      local_devices=jax.local_device_count(),
+                      mesh_processes=sorted({d.process_index for d in engine.mesh.devices.flat}),
+                      wq_shard=list(engine.model.params["layers"]["wq"].addressable_shards[0].data.shape),
+                      wq_shape=list(engine.model.params["layers"]["wq"].shape))
+        jax.distributed.shutdown()
+    with open(out_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

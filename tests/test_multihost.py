@@ -1,0 +1,182 @@
+"""Two OS processes on 127.0.0.1 joined by jax.distributed (gloo collectives on CPU), one device
+each, one tensor-parallel mesh (TP 2) over both: the same tokens as one process on one device.
+
+Every process is a subprocess (tests/multihost_worker.py or `jaxserve serve`), since the main
+pytest process has already initialised jax; every wait is bounded, so a hang fails the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxserve.engine.args import EngineArgs
+from tests import multihost_worker as worker
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
+       "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+
+
+def run_ranks(commands: list[list[str]], tmp: Path) -> list[Path]:
+    """Start one process per command at once, wait (bounded) for all; their log files."""
+    logs = [tmp / f"rank{r}.log" for r in range(len(commands))]
+    procs = []
+    for cmd, log in zip(commands, logs):
+        with open(log, "wb") as f:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        for r, (p, log) in enumerate(zip(procs, logs)):
+            assert p.wait(TIMEOUT_S) == 0, f"rank {r} failed:\n{_tail(log)}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    return logs
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, default_gguf) -> Path:
+    """A tiny random Llama (4 heads, 2 kv heads: both split at TP 2) with the default model's tokenizer."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxserve.weights.gguf_file import open_gguf
+    from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    load_gguf_tokenizer(open_gguf(default_gguf), default_gguf).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory) -> dict:
+    """The same requests in one process on one device, no mesh."""
+    tmp = tmp_path_factory.mktemp("reference")
+    out = tmp / "ref.json"
+    run_ranks([[sys.executable, "-m", "tests.multihost_worker", "reference", str(model_dir), str(out)]], tmp)
+    ref = json.loads(out.read_text())
+    assert ref["num_devices"] == 1 and ref["num_preemptions"] > 0  # the swap path is exercised
+    return ref
+
+
+def test_two_processes_tensor_parallel_match_one_process(model_dir, reference, tmp_path):
+    port = free_port()
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    run_ranks([[sys.executable, "-m", "tests.multihost_worker", "rank", str(model_dir), str(outs[r]), str(port),
+                str(r)] for r in range(2)], tmp_path)
+    leader, follower = (json.loads(o.read_text()) for o in outs)
+    for r in (leader, follower):
+        assert r["process_count"] == 2 and r["num_devices"] == 2 and r["local_devices"] == 1
+        assert r["mesh_processes"] == [0, 1]  # one mesh over both processes' devices
+        assert r["wq_shard"][-1] * 2 == r["wq_shape"][-1]  # each process holds half of each split weight
+        assert r["compiles_after_warmup"] == 0  # the warm-up lined up on both ranks
+    assert follower["steps_run"] == leader["steps_sent"] == leader["steps"] == reference["steps"]
+    assert leader["num_preemptions"] == reference["num_preemptions"]
+    assert leader["results"].keys() == reference["results"].keys()
+    for rid, ref in reference["results"].items():
+        ours = leader["results"][rid]
+        assert ours["tokens"] == ref["tokens"], rid  # greedy and the seeded sample alike
+        assert ours["text"] == ref["text"], rid
+        if ref["logprobs"]:
+            assert max(abs(a - b) for a, b in zip(ours["logprobs"], ref["logprobs"])) < 1e-4, rid
+        for a, b in zip(ours["prompt_logprobs"], ref["prompt_logprobs"]):
+            assert (a is None) == (b is None) and (a is None or a.keys() == b.keys()), rid
+            assert a is None or max(abs(a[k] - b[k]) for k in a) < 1e-4, rid
+
+
+def _serve_cmd(model_dir: Path, rank: int, coordinator_port: int, http_port: int) -> list[str]:
+    flags = []
+    for name, value in worker.ENGINE.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    return [sys.executable, "-m", "jaxserve.cli", "serve", str(model_dir), "--num-hosts", "2", "--host-rank", str(rank),
+            "--coordinator", f"127.0.0.1:{coordinator_port}", "--tensor-parallel-size", "2",
+            "--host", "127.0.0.1", "--port", str(http_port), *flags]
+
+
+def test_jaxserve_serve_on_two_hosts(model_dir, reference, tmp_path):
+    """`jaxserve serve --num-hosts 2` on both ranks with the SAME --port: rank 1 must not start an HTTP
+    server (it would fail to bind). Rank 0 answers; SIGTERM stops rank 0, which stops rank 1; both exit 0."""
+    httpx = pytest.importorskip("httpx")
+    coord, http = free_port(), free_port()
+    logs = [tmp_path / f"serve{r}.log" for r in range(2)]
+    procs = []
+    for r in range(2):
+        with open(logs[r], "wb") as f:
+            procs.append(subprocess.Popen(_serve_cmd(model_dir, r, coord, http), cwd=ROOT, env=ENV, stdout=f,
+                                          stderr=subprocess.STDOUT))
+    base = f"http://127.0.0.1:{http}"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            for r, p in enumerate(procs):
+                assert p.poll() is None, f"rank {r} exited early:\n{_tail(logs[r])}"
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, f"no /health after {TIMEOUT_S} s:\n{_tail(logs[0])}"
+            time.sleep(0.5)
+        for i, prompt in enumerate(worker.PROMPTS[:3]):
+            resp = httpx.post(f"{base}/v1/completions", timeout=120, json={
+                "model": str(model_dir), "prompt": prompt, "max_tokens": worker.MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True})
+            assert resp.status_code == 200, resp.text
+            assert resp.json()["choices"][0]["text"] == reference["results"][f"greedy-{i}"]["text"], i
+        procs[0].send_signal(signal.SIGTERM)
+        for r, p in enumerate(procs):
+            assert p.wait(60) == 0, f"rank {r}:\n{_tail(logs[r])}"
+        follower_log = logs[1].read_text(errors="replace")
+        assert "host rank 1: ran" in follower_log and "0 compilations after warm-up" in follower_log
+        assert "Uvicorn running" not in follower_log and "Uvicorn running" in logs[0].read_text(errors="replace")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+# ---- in-process: the flags ----------------------------------------------------------------------
+
+def test_multihost_flags_are_validated():
+    assert EngineArgs(num_hosts=2, host_rank=1, coordinator="10.0.0.1:1234").num_hosts == 2
+    with pytest.raises(ValueError, match="host_rank"):
+        EngineArgs(num_hosts=2, host_rank=2)
+    with pytest.raises(ValueError, match="num_hosts"):
+        EngineArgs(num_hosts=0)
+    with pytest.raises(ValueError, match="coordinator must be ADDR:PORT"):
+        EngineArgs(coordinator="10.0.0.1")
+
+
+def test_multihost_is_enabled_by_flags_or_the_jax_environment(monkeypatch):
+    from jaxserve.engine import multihost
+
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    assert not multihost.is_enabled(EngineArgs())
+    assert multihost.is_enabled(EngineArgs(num_hosts=2))
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    assert multihost.is_enabled(EngineArgs())
