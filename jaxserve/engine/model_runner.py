@@ -193,9 +193,7 @@ class ModelRunner:
         return num_compilations() - before
 
     def _empty_batch(self, num_tokens: int) -> StepInput:
-        from jaxserve.engine.scheduler_types import SchedulerOutput as _SO
-
-        batch, _ = pack(_SO(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
+        batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
         return batch
 
     def _input(self, tree):
@@ -238,10 +236,7 @@ class ModelRunner:
         if p.sampling is None:
             return ModelOutput(prompt_logprobs=prompt_lps)
         so = _fetch(_sample_step(self.params, hidden, self._input(p.sampling)))
-        result = {}
-        for i, (rid, n) in enumerate(p.sample_ids):
-            top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])] if n else None
-            result[rid] = SampledToken(int(so.token_ids[i]), float(so.logprobs[i]), top, int(so.ranks[i]))
+        result = {rid: _sampled(so, i, int(so.token_ids[i]), n) for i, (rid, n) in enumerate(p.sample_ids)}
         return ModelOutput(result, prompt_lps)
 
     def _prompt_logprob_chunks(self, out: SchedulerOutput,
@@ -275,8 +270,7 @@ class ModelRunner:
         for c in chunks:
             so = _fetch(_prompt_logprobs_step(self.params, _gather_rows(hidden, c.rows), c.targets))
             for i, (rid, pos, tok, n) in enumerate(c.entries):
-                top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :n], so.top_logprobs[i, :n])]
-                result.setdefault(rid, {})[pos] = SampledToken(tok, float(so.logprobs[i]), top, int(so.ranks[i]))
+                result.setdefault(rid, {})[pos] = _sampled(so, i, tok, n)
         return result
 
     def _apply_block_ops(self, p: PreparedStep) -> None:
@@ -316,6 +310,12 @@ class ModelRunner:
             k[:, :, : len(chunk)] = self.host_kv[0][:, :, host_ids]
             v[:, :, : len(chunk)] = self.host_kv[1][:, :, host_ids]
             self.kv = _scatter_blocks(self.kv, dev, k, v)
+
+
+def _sampled(so: SamplerOutput, i: int, token_id: int, num_top: int) -> SampledToken:
+    """Row i of a fetched SamplerOutput, with the top `num_top` logprobs (None when 0)."""
+    top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :num_top], so.top_logprobs[i, :num_top])]
+    return SampledToken(token_id, float(so.logprobs[i]), top or None, int(so.ranks[i]))
 
 
 def _chunks(items: list, size: int) -> list[list]:
