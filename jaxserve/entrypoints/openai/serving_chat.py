@@ -9,8 +9,7 @@ role, then content deltas, and the finish_reason on the choice's last chunk.
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +21,7 @@ from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                                   ChatCompletionResponse, ChatLogprobs, ChatMessage,
                                                   ChatResponseMessage, ChatStreamChoice, DeltaMessage, UsageInfo)
-from jaxserve.entrypoints.openai.serving_engine import SSE_DONE, BaseServing, random_id, sse
+from jaxserve.entrypoints.openai.serving_engine import BaseServing, random_id, sse, sse_stream
 from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disconnected
 
 # SamplingParams' names for what the chat request calls differently.
@@ -101,7 +100,7 @@ class ServingChat(BaseServing):
         streams = [self.stream(prompt_ids, params, request_id)]
         merged = merge_streams(await prime(streams), streams)
         if req.stream:
-            return StreamingResponse(self._sse(req, request_id, len(prompt_ids), merged),
+            return StreamingResponse(sse_stream(self._events(req, request_id, len(prompt_ids), merged), merged),
                                      media_type="text/event-stream")
         completed, final = await until_disconnected(request, self._last(merged))
         if not completed or final is None:
@@ -134,18 +133,6 @@ class ServingChat(BaseServing):
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
         return ChatCompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
-
-    async def _sse(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
-                   merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
-        try:
-            async with aclosing(merged):
-                async for event in self._events(req, request_id, num_prompt, merged):
-                    yield event
-        except OpenAIError as exc:
-            yield sse(exc.to_dict())
-        except Exception as exc:  # noqa: BLE001  (the stream has started: report in-band, keep serving)
-            yield sse(OpenAIError(f"Internal error: {exc!r}", status=500).to_dict())
-        yield SSE_DONE
 
     async def _events(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:

@@ -7,8 +7,7 @@ each choice has already sent.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import aclosing
+from collections.abc import AsyncIterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -17,7 +16,7 @@ from jaxserve.engine.outputs import CompletionOutput, LogprobsDict, RequestOutpu
 from jaxserve.entrypoints.openai.errors import OpenAIError
 from jaxserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                                   CompletionResponse, UsageInfo)
-from jaxserve.entrypoints.openai.serving_engine import SSE_DONE, BaseServing, random_id, sse
+from jaxserve.entrypoints.openai.serving_engine import BaseServing, random_id, sse, sse_stream
 from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disconnected
 
 
@@ -51,7 +50,8 @@ class ServingCompletion(BaseServing):
         firsts = await prime(streams)
         merged = merge_streams(firsts, streams)
         if req.stream:
-            return StreamingResponse(self._sse(req, request_id, prompts, merged), media_type="text/event-stream")
+            return StreamingResponse(sse_stream(self._events(req, request_id, prompts, merged), merged),
+                                     media_type="text/event-stream")
         completed, finals = await until_disconnected(request, self._collect(merged, len(prompts)))
         if not completed or finals is None:
             return Response(status_code=499)  # nobody is listening; the requests were aborted
@@ -120,18 +120,6 @@ class ServingCompletion(BaseServing):
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
         return CompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
-
-    async def _sse(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
-                   merged: AsyncGenerator[tuple[int, RequestOutput], None]) -> AsyncIterator[str]:
-        try:
-            async with aclosing(merged):
-                async for event in self._events(req, request_id, prompts, merged):
-                    yield event
-        except OpenAIError as exc:
-            yield sse(exc.to_dict())
-        except Exception as exc:  # noqa: BLE001  (the stream has started: report in-band, keep serving)
-            yield sse(OpenAIError(f"Internal error: {exc!r}", status=500).to_dict())
-        yield SSE_DONE
 
     async def _events(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import fields
 
 import anyio
@@ -37,6 +38,20 @@ def sse(payload: BaseModel | dict[str, object]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(events: AsyncIterator[str], merged: AsyncGenerator) -> AsyncIterator[str]:
+    """An endpoint's SSE events, then `[DONE]`; an error after the stream started is reported
+    in-band (the status line is already sent) and the engine streams are closed either way."""
+    try:
+        async with aclosing(merged):
+            async for event in events:
+                yield event
+    except OpenAIError as exc:
+        yield sse(exc.to_dict())
+    except Exception as exc:  # noqa: BLE001  (keep serving: one request's failure stays its own)
+        yield sse(OpenAIError(f"Internal error: {exc!r}", status=500).to_dict())
+    yield SSE_DONE
 
 
 class BaseServing:
