@@ -184,6 +184,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished_requests()
 
+    has_unfinished = has_unfinished_requests  # the short name the engine issue uses
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
+        return cls(args, progress=progress)
+
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
