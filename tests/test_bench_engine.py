@@ -64,6 +64,10 @@ def test_bench_batching(tmp_path, capsys):
         assert 0.0 <= m["kv_waste_paged"] < m["kv_waste_reserved_max_model_len"]
         assert 0.0 <= m["kv_waste_reserved_max_tokens"] < m["kv_waste_reserved_max_model_len"]
     assert res["speedup_continuous_over_static"] > 0
+    padded = res["static_padded"]
+    assert padded["total_output_tokens"] == static["total_output_tokens"]  # padding decodes are not output
+    assert padded["num_steps"] >= static["num_steps"]  # every member runs to its batch's longest length
+    assert res["speedup_continuous_over_static_padded"] > 0
     assert res["num_compilations_after_warmup"] == 0
     assert "continuous / static" in capsys.readouterr().out
 

@@ -5,7 +5,10 @@
        continuous  all requests submitted; the scheduler refills a slot as soon as one frees
        static      batches of B formed once; each runs until its longest member finishes,
                    then the next starts (finished members stop computing, but nobody joins)
-   -> output tokens/s of each, and their ratio.
+       static-padded  the classic static batch (what a padded [B, T] tensor does, like HF
+                   generate): every member decodes to the batch's longest output length;
+                   only each request's own tokens count as output
+   -> output tokens/s of each, and the ratios.
 
 2. KV waste, sampled after every step from the scheduler's KV manager:
 
@@ -74,7 +77,8 @@ def _run_to_completion(engine, kv: KVWaste, bar) -> None:
 
 def run_mode(engine, requests: list[ds.SampleRequest], mode: str, batch_size: int,
              progress: bool = True) -> dict[str, object]:
-    """`continuous` (all at once) or `static` (batches of `batch_size`, each run to its end) on `engine`."""
+    """`continuous` (all at once), `static` (batches of `batch_size`, each run to its end) or
+    `static-padded` (the same, every member decoding to the batch's longest length) on `engine`."""
     from jaxserve.engine.sampling_params import SamplingParams
 
     if engine.has_unfinished_requests():
@@ -86,13 +90,15 @@ def run_mode(engine, requests: list[ds.SampleRequest], mode: str, batch_size: in
     start = time.perf_counter()
     with tqdm(total=len(requests), desc=f"{mode} batching", unit="req", disable=not progress) as bar:
         for g, group in enumerate(groups):
+            longest = max(r.expected_output_len for r in group)
             for i, r in enumerate(group):
+                max_tokens = longest if mode == "static-padded" else r.expected_output_len
                 engine.add_request(f"{mode}-{g}-{i}", {"prompt_token_ids": r.prompt},
-                                   SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True))
-                num_out += r.expected_output_len
+                                   SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+                num_out += r.expected_output_len  # useful tokens only: padding decodes are waste
             _run_to_completion(engine, kv, bar)
     elapsed = time.perf_counter() - start
-    return {"mode": mode, "num_requests": len(requests), "batch_size": batch_size if mode == "static" else None,
+    return {"mode": mode, "num_requests": len(requests), "batch_size": batch_size if mode != "continuous" else None,
             "elapsed_time": elapsed, "total_output_tokens": num_out, "output_tokens_per_second": num_out / elapsed,
             **kv.report()}
 
@@ -136,13 +142,16 @@ def run_batching(engine, requests: list[ds.SampleRequest], batch_size: int, *, h
                  hf_batch_size: int = 32, progress: bool = True) -> dict[str, object]:
     continuous = run_mode(engine, requests, "continuous", batch_size, progress)
     static = run_mode(engine, requests, "static", batch_size, progress)
+    padded = run_mode(engine, requests, "static-padded", batch_size, progress)
     res: dict[str, object] = {
         "workload": {"num_requests": len(requests), "input_lens": [r.prompt_len for r in requests],
                      "output_lens": [r.expected_output_len for r in requests]},
         "engine": {"max_num_seqs": engine.args.max_num_seqs, "max_model_len": engine.max_model_len,
                    "block_size": engine.args.block_size, "num_gpu_blocks": engine.num_gpu_blocks},
-        "continuous": continuous, "static": static,
+        "continuous": continuous, "static": static, "static_padded": padded,
         "speedup_continuous_over_static": continuous["output_tokens_per_second"] / static["output_tokens_per_second"],
+        "speedup_continuous_over_static_padded": (continuous["output_tokens_per_second"]
+                                                  / padded["output_tokens_per_second"]),
     }
     if hf:
         res["hf"] = run_hf(requests, hf_batch_size, progress=progress)
@@ -159,17 +168,19 @@ def format_result(res: dict) -> str:
     lines = [f"workload: {w['num_requests']} requests, prompt tokens mean {sum(ins) / len(ins):.0f} "
              f"(min {min(ins)}, max {max(ins)}), output tokens mean {sum(outs) / len(outs):.0f} "
              f"(min {min(outs)}, max {max(outs)}); engine {res['engine']}",
-             f"{'mode':<12}{'batch':>6}{'time s':>9}{'out tok':>9}{'out tok/s':>11}{'mean run':>10}"
+             f"{'mode':<14}{'batch':>6}{'time s':>9}{'out tok':>9}{'out tok/s':>11}{'mean run':>10}"
              f"{'KV waste paged':>16}{'reserved max_len':>18}{'reserved max_tok':>18}"]
-    for key in ("continuous", "static", "hf"):
+    for key in ("continuous", "static", "static_padded", "hf"):
         if key not in res:
             continue
         m = res[key]
         kv = (f"{m['mean_running']:>10.1f}{m['kv_waste_paged']:>16.1%}{m['kv_waste_reserved_max_model_len']:>18.1%}"
               f"{m['kv_waste_reserved_max_tokens']:>18.1%}") if "kv_waste_paged" in m else ""
-        lines.append(f"{m['mode']:<12}{m['batch_size'] or '-':>6}{m['elapsed_time']:>9.1f}"
+        lines.append(f"{m['mode']:<14}{m['batch_size'] or '-':>6}{m['elapsed_time']:>9.1f}"
                      f"{m['total_output_tokens']:>9}{m['output_tokens_per_second']:>11.1f}{kv}")
     lines.append(f"continuous / static output tokens/s: {res['speedup_continuous_over_static']:.2f}x")
+    if "static_padded" in res:
+        lines.append(f"continuous / static-padded output tokens/s: {res['speedup_continuous_over_static_padded']:.2f}x")
     if "hf" in res:
         lines.append(f"continuous / HF generate output tokens/s: {res['speedup_continuous_over_hf']:.2f}x")
     return "\n".join(lines)
