@@ -90,7 +90,7 @@ class AsyncLLM:
         beam_search.check(params)
         self.engine.validate(ids, dataclasses.replace(params, use_beam_search=False))
         step = beam_search.step_params(params, beam_search.width_of(params))
-        search = beam_search.search(ids, params, self.max_model_len, tuple(self.engine.model.config.eos_token_ids))
+        search = beam_search.search(ids, params, self.max_model_len, self.engine.eos_token_ids)
 
         async def one(tokens: list[int], name: str) -> list[tuple[int, float]]:
             final = None

@@ -123,6 +123,14 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError(f"prompt: expected a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    @functools.cached_property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The model config's end-of-sequence ids plus the tokenizer's (a chat model's end-of-turn)."""
+        eos = tuple(self.model.config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = tuple(dict.fromkeys(eos + (self.tokenizer.eos_token_id,)))
+        return eos
+
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError for anything add_request would refuse; safe to call from any thread."""
         if not token_ids:
@@ -151,9 +159,7 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, token_ids = self.encode_prompt(prompt)
         self.validate(token_ids, params)
-        eos = tuple(self.model.config.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = tuple(dict.fromkeys(eos + (self.tokenizer.eos_token_id,)))
+        eos = self.eos_token_ids
         params = dataclasses.replace(params, eos_token_ids=eos)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         child_ids = [request_id] if params.best_of == 1 else [f"{request_id}#{i}" for i in range(params.best_of)]

@@ -78,8 +78,8 @@ class LLM:
         for (_, ids), p in zip(encoded, params):
             beam_search.check(p)
             engine.validate(ids, dataclasses.replace(p, use_beam_search=False))
-        eos = tuple(engine.model.config.eos_token_ids)
-        searches = [beam_search.search(ids, p, engine.max_model_len, eos) for (_, ids), p in zip(encoded, params)]
+        searches = [beam_search.search(ids, p, engine.max_model_len, engine.eos_token_ids)
+                    for (_, ids), p in zip(encoded, params)]
         rounds: dict[int, list[list[int]]] = {}
         results: dict[int, list[beam_search.Beam]] = {}
 
