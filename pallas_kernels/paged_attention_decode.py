@@ -75,8 +75,9 @@ def paged_attention_decode_reference(
     _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
            sm_scale, sliding_window, soft_cap)
     q_pos = kv_lens.astype(jnp.int32) - 1  # [S]; -1 (sees nothing) when kv_len == 0
+    seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     return attend_reference(
-        q, k_cache, v_cache, block_tables.astype(jnp.int32), q_pos, sm_scale=sm_scale,
+        q, k_cache, v_cache, block_tables.astype(jnp.int32), q_pos, seq_ids, q_pos, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
     )
 

@@ -227,8 +227,10 @@ def ragged_paged_attention_reference(
     n = num_seqs_scalar(num_seqs)
     seq_ids, q_pos = token_positions(cu_q_lens, kv_lens, n, q.shape[0])
     token_tables = block_tables.astype(jnp.int32)[seq_ids]  # [T, MB]
+    cu = cu_q_lens.astype(jnp.int32)
+    new_start = kv_lens.astype(jnp.int32)[seq_ids] - (cu[seq_ids + 1] - cu[seq_ids])
     return attend_reference(
-        q, k_cache, v_cache, token_tables, q_pos, sm_scale=sm_scale,
+        q, k_cache, v_cache, token_tables, q_pos, seq_ids, new_start, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
     )
 

@@ -1,14 +1,25 @@
-"""Chunked online-softmax paged attention in pure jnp: the CPU serving path.
+"""Paged attention in pure jnp: the CPU serving path.
 
 Shared by ``ragged_paged_attention_reference`` and
-``paged_attention_decode_reference``. Every query token carries its own block
-table row and absolute position; a ``lax.while_loop`` walks its context a
-chunk of blocks at a time (flash-style running max / sum), so memory is
-bounded by one chunk and the trip count by the longest live context, never by
-``max_blocks_per_seq``:
+``paged_attention_decode_reference``. On a CPU the cost of paged attention is
+the gather of K/V blocks, not the arithmetic, so the keys a query sees are
+split in two and each part is read as little as possible:
 
-    token t:  blocks  [start_t, start_t + C) [start_t + C, ...)  ...  up to q_pos_t
-              gather k/v[t, C, heads, block_size, head_dim] per iteration
+    token t of sequence s (this step's new tokens of s are packed contiguously
+    and start at position new_start_s):
+
+    positions  [first_key_t ........ new_start_s)  [new_start_s ... q_pos_t]
+               part A: cached context               part B: this step's tokens
+               gathered from the pool, per query    read once (one row per token,
+               tile of 32 packed tokens, each tile  by its own slot), then banded
+               looping only over its own longest    causal attention in packed
+               context (a fresh prompt: 0 trips)    order, tile against tile
+
+Both parts run a flash-style online softmax ``(max, sum, acc)`` and are merged
+at the end. Part A's tiles keep a mixed step's prompt tokens from paying for
+its decode tokens' long contexts; part B keeps a prompt's tokens from each
+gathering the whole prompt again. The new tokens' K/V must already be in the
+pool (``write_kv`` runs first), so the signature needs no extra K/V inputs.
 """
 
 from __future__ import annotations
@@ -17,13 +28,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import NEG_INF, cap_logits, first_key, key_mask
+from pallas_kernels.common import NEG_INF, cap_logits, first_key
 
-# Keys per loop iteration: measured on a 2-core CPU (SmolLM2-135M shapes), 64 keys
+# Keys per part-A loop iteration: measured on a 2-core CPU (SmolLM2-135M shapes), 64 keys
 # beat 32 and 128+ (bigger chunks waste work on short contexts and spill caches).
 _CHUNK_KEYS = 64
-# Elements of one gathered K chunk (all tokens together): bounds peak memory.
-_CHUNK_ELEMENTS = 1 << 23
+# Packed query tokens per tile (part A's unit of gathering, part B's tile against tile).
+_TILE = 32
+# Tokens per part-A tile, after sorting by cached-context length.
+_A_TILE = 32
 
 
 def gather_blocks(
@@ -38,61 +51,51 @@ def gather_blocks(
     return cache[jnp.asarray(layer, jnp.int32), :, block_ids]
 
 
-def attend_reference(
-    q: jax.Array,  # [T, Hq, D]
-    k_cache: jax.Array,  # [(L,) Hkv, NB, BS, D]
-    v_cache: jax.Array,  # [(L,) Hkv, NB, BS, D]
-    token_tables: jax.Array,  # i32[T, MB]: each token's sequence's block table
-    q_pos: jax.Array,  # i32[T]: absolute position, -1 for padding tokens
-    *,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
-    layer: jax.Array | int | None,
-) -> jax.Array:  # [T, Hq, D] in q.dtype; padding tokens get zeros
-    num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_blocks, block_size, _ = k_cache.shape[-4:]
-    group = num_q_heads // num_kv_heads
-    max_blocks = token_tables.shape[1]
-    per_block = max(1, num_tokens * num_kv_heads * block_size * head_dim)
-    chunk = int(max(1, min(_CHUNK_ELEMENTS // per_block, _CHUNK_KEYS // block_size, max_blocks)))
+def _softmax_update(carry, s, mask, v, pv_spec: str):
+    """One online-softmax step: s [..., K] scores, mask broadcastable to s, v the values."""
+    m, l, acc = carry
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l = l * alpha + p.sum(axis=-1)
+    acc = acc * alpha[..., None] + jnp.einsum(pv_spec, p, v)
+    return m_new, l, acc
+
+
+def _cached_part(qf, tables, q_pos, lo, new_start, *, k_cache, v_cache, soft_cap, layer):
+    """Part A for one tile: keys at [lo, new_start) from the pool. qf [Q, Hkv, G, D]."""
+    num_tokens, num_kv_heads, group, head_dim = qf.shape
+    num_blocks, block_size = k_cache.shape[-3], k_cache.shape[-2]
+    max_blocks = tables.shape[1]
+    chunk = int(max(1, min(_CHUNK_KEYS // block_size, max_blocks)))
     chunk_keys = chunk * block_size
 
-    qf = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
-    q_pos = q_pos.astype(jnp.int32)
-    start_block = first_key(q_pos, sliding_window) // block_size  # [T]
-    span = q_pos + 1 - start_block * block_size
-    num_chunks = jnp.where(q_pos >= 0, (span + chunk_keys - 1) // chunk_keys, 0)
-    trip = jnp.max(num_chunks) if num_tokens else jnp.int32(0)
-
+    start_block = lo // block_size  # [Q]
+    span = new_start - start_block * block_size
+    num_chunks = jnp.where((q_pos >= 0) & (span > 0), (span + chunk_keys - 1) // chunk_keys, 0)
+    trip = jnp.max(num_chunks)
     offsets = jnp.arange(chunk, dtype=jnp.int32)
     in_block = jnp.arange(block_size, dtype=jnp.int32)
 
     def body(carry):
         j, m, l, acc = carry
-        blk_idx = start_block[:, None] + j * chunk + offsets[None, :]  # [T, C]
+        blk_idx = start_block[:, None] + j * chunk + offsets[None, :]  # [Q, C]
         in_table = blk_idx < max_blocks
-        blk_ids = jnp.take_along_axis(token_tables, jnp.minimum(blk_idx, max_blocks - 1), axis=1)
+        blk_ids = jnp.take_along_axis(tables, jnp.minimum(blk_idx, max_blocks - 1), axis=1)
         blk_ids = jnp.clip(blk_ids, 0, num_blocks - 1)
-        k = gather_blocks(k_cache, blk_ids, layer).astype(jnp.float32)  # [T, C, Hkv, BS, D]
-        v = gather_blocks(v_cache, blk_ids, layer).astype(jnp.float32)  # [T, C, Hkv, BS, D]
-        key_pos = blk_idx[:, :, None] * block_size + in_block  # [T, C, BS]
-        mask = key_mask(key_pos, q_pos[:, None, None], sliding_window) & in_table[:, :, None]
+        k = gather_blocks(k_cache, blk_ids, layer).astype(jnp.float32)  # [Q, C, Hkv, BS, D]
+        v = gather_blocks(v_cache, blk_ids, layer).astype(jnp.float32)
+        key_pos = (blk_idx[:, :, None] * block_size + in_block).reshape(num_tokens, chunk_keys)
+        mask = ((key_pos >= lo[:, None]) & (key_pos < new_start[:, None])
+                & jnp.repeat(in_table, block_size, axis=1))  # [Q, C * BS]
         k = k.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk_keys, head_dim)
         v = v.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk_keys, head_dim)
-        mask = mask.reshape(num_tokens, chunk_keys)
-        s = jnp.einsum("thgd,thkd->thgk", qf, k)  # [T, Hkv, G, C * BS]
-        s = cap_logits(s, soft_cap)
-        s_mask = mask[:, None, None]  # [T, 1, 1, C * BS]
-        s = jnp.where(s_mask, s, NEG_INF)
-        m_new = jnp.maximum(m, s.max(axis=-1))  # [T, Hkv, G]
-        p = jnp.where(s_mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=-1)
         # A freed block may hold NaN/inf: zero masked values so 0 * NaN never happens.
         v = jnp.where(mask[:, None, :, None], v, 0.0)
-        acc = acc * alpha[..., None] + jnp.einsum("thgk,thkd->thgd", p, v)
-        return j + 1, m_new, l, acc
+        s = cap_logits(jnp.einsum("thgd,thkd->thgk", qf, k), soft_cap)  # [Q, Hkv, G, C * BS]
+        m, l, acc = _softmax_update((m, l, acc), s, mask[:, None, None], v, "thgk,thkd->thgd")
+        return j + 1, m, l, acc
 
     init = (
         jnp.int32(0),
@@ -100,6 +103,147 @@ def attend_reference(
         jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
         jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
     )
-    _, _, l, acc = lax.while_loop(lambda c: c[0] < trip, body, init)
+    _, m, l, acc = lax.while_loop(lambda c: c[0] < trip, body, init)
+    return m, l, acc
+
+
+def _cached_sorted(qf, k_cache, v_cache, tables, q_pos, lo, new_start, *, soft_cap, layer):
+    """Part A for all tokens: longest cached context first, in tiles of _A_TILE tokens.
+
+    Sorting puts tokens of similar context length in one tile, so a tile's loop (as long
+    as its longest context) wastes little on the others; tokens with no cached context
+    (fresh prompts, padding) sort last and their tiles are skipped.
+    """
+    num_tokens = qf.shape[0]
+    tile = min(_A_TILE, num_tokens)
+    if tile == num_tokens:
+        return _cached_part(qf, tables, q_pos, lo, new_start, k_cache=k_cache, v_cache=v_cache,
+                            soft_cap=soft_cap, layer=layer)
+    block_size = k_cache.shape[-2]
+    span = jnp.where(q_pos >= 0, new_start - (lo // block_size) * block_size, 0)
+    order = jnp.argsort(-span)  # longest first
+    num_tiles = num_tokens // tile
+    xs = tuple(x[order].reshape(num_tiles, tile, *x.shape[1:]) for x in (qf, tables, q_pos, lo, new_start))
+    active = (jnp.sum(span > 0) + tile - 1) // tile
+
+    def body(i, outs):
+        part = _cached_part(*(lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs),
+                            k_cache=k_cache, v_cache=v_cache, soft_cap=soft_cap, layer=layer)
+        return tuple(lax.dynamic_update_index_in_dim(o, r, i, 0) for o, r in zip(outs, part))
+
+    _, num_kv_heads, group, head_dim = qf.shape
+    init = (jnp.full((num_tiles, tile, num_kv_heads, group), NEG_INF, jnp.float32),
+            jnp.zeros((num_tiles, tile, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tiles, tile, num_kv_heads, group, head_dim), jnp.float32))
+    outs = lax.fori_loop(0, active, body, init)
+    inverse = jnp.argsort(order)
+    return tuple(o.reshape(num_tokens, *o.shape[2:])[inverse] for o in outs)
+
+
+def _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap):
+    """Part B: each token against this step's tokens of its sequence, tile against tile.
+
+    qf [T, Hkv, G, D]; k_new, v_new [T, Hkv, D] (T a multiple of tile); earliest[t] is
+    the packed index of the first key token t sees here. Returns m, l [T, Hkv, G] and
+    acc [T, Hkv, G, D].
+    """
+    num_tokens, num_kv_heads, group, head_dim = qf.shape
+    num_tiles = num_tokens // tile
+    idx = jnp.arange(num_tokens, dtype=jnp.int32)
+    trip = jnp.max(jnp.where(q_pos >= 0, idx // tile - earliest // tile + 1, 0))
+
+    def pad_front(x, fill):  # num_tiles tiles of `fill` in front, so tile i - j is tile i + num_tiles - j
+        pad = jnp.full((num_tokens, *x.shape[1:]), fill, x.dtype)
+        return jnp.concatenate([pad, x]).reshape(2 * num_tiles, tile, *x.shape[1:])
+
+    k_tiles, v_tiles = pad_front(k_new, 0.0), pad_front(v_new, 0.0)
+    pos_tiles, seq_tiles = pad_front(q_pos, -1), pad_front(seq_ids, -1)
+    q_tiles = qf.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
+    qp, qs, ql = (x.reshape(num_tiles, tile, 1) for x in (q_pos, seq_ids, lo))
+
+    def body(carry):
+        j, m, l, acc = carry
+        take = lambda x: lax.dynamic_slice_in_dim(x, num_tiles - j, num_tiles, axis=0)  # noqa: E731
+        k, v, kpos, kseq = take(k_tiles), take(v_tiles), take(pos_tiles), take(seq_tiles)
+        mask = (kseq[:, None, :] == qs) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] >= ql)
+        mask = mask & (kpos[:, None, :] >= 0) & (qp >= 0)  # [nT, Qt, Kt]
+        v = jnp.where((kpos >= 0)[..., None, None], v, 0.0)
+        s = cap_logits(jnp.einsum("iqhgd,ikhd->iqhgk", q_tiles, k), soft_cap)  # [nT, Qt, Hkv, G, Kt]
+        m, l, acc = _softmax_update((m, l, acc), s, mask[:, :, None, None, :], v, "iqhgk,ikhd->iqhgd")
+        return j + 1, m, l, acc
+
+    init = (
+        jnp.int32(0),
+        jnp.full((num_tiles, tile, num_kv_heads, group), NEG_INF, jnp.float32),
+        jnp.zeros((num_tiles, tile, num_kv_heads, group), jnp.float32),
+        jnp.zeros((num_tiles, tile, num_kv_heads, group, head_dim), jnp.float32),
+    )
+    # The diagonal tile pair (j = 0) always runs, outside the loop: a decode-only step
+    # needs no other, and then pays for no loop at all.
+    _, m, l, acc = lax.while_loop(lambda c: c[0] < trip, body, body(init))
+    flat = lambda x: x.reshape(num_tokens, *x.shape[2:])  # noqa: E731
+    return flat(m), flat(l), flat(acc)
+
+
+def attend_reference(
+    q: jax.Array,  # [T, Hq, D]
+    k_cache: jax.Array,  # [(L,) Hkv, NB, BS, D]
+    v_cache: jax.Array,  # [(L,) Hkv, NB, BS, D]
+    token_tables: jax.Array,  # i32[T, MB]: each token's sequence's block table
+    q_pos: jax.Array,  # i32[T]: absolute position, -1 for padding tokens
+    seq_ids: jax.Array,  # i32[T]: equal within a sequence, distinct across sequences
+    new_start: jax.Array,  # i32[T]: position of the first of this step's tokens of the sequence
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+    layer: jax.Array | int | None,
+) -> jax.Array:  # [T, Hq, D] in q.dtype; padding tokens get zeros
+    """Causal attention of each token over its sequence's paged context.
+
+    A sequence's tokens of this step must be packed contiguously at consecutive
+    positions ending at q_pos, starting at new_start, and already written to the
+    pool; keys before new_start are read from the pool only.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, block_size, _ = k_cache.shape[-4:]
+    group = num_q_heads // num_kv_heads
+    max_blocks = token_tables.shape[1]
+    if num_tokens == 0:
+        return jnp.zeros_like(q)
+    tile = min(_TILE, num_tokens)
+    padded = -(-num_tokens // tile) * tile
+    extra = padded - num_tokens
+
+    def pad(x, fill):
+        return jnp.pad(x, [(0, extra)] + [(0, 0)] * (x.ndim - 1), constant_values=fill) if extra else x
+
+    q_pos = pad(q_pos.astype(jnp.int32), -1)
+    valid = q_pos >= 0
+    seq_ids = pad(seq_ids.astype(jnp.int32), -1)
+    new_start = jnp.where(valid, jnp.minimum(pad(new_start.astype(jnp.int32), 0), q_pos), 0)
+    tables = pad(token_tables.astype(jnp.int32), 0)
+    lo = first_key(q_pos, sliding_window)
+    qf = pad(q.astype(jnp.float32), 0.0).reshape(padded, num_kv_heads, group, head_dim) * sm_scale
+
+    # Part B's keys: each token's own K/V row, read back from the pool by its slot.
+    own = jnp.maximum(q_pos, 0)
+    own_block = jnp.take_along_axis(tables, jnp.minimum(own // block_size, max_blocks - 1)[:, None], 1)[:, 0]
+    own_block = jnp.clip(own_block, 0, k_cache.shape[-3] - 1)
+    layer_idx = 0 if layer is None else jnp.asarray(layer, jnp.int32)
+    k_pool, v_pool = (k_cache, v_cache) if layer is not None else (k_cache[None], v_cache[None])
+    k_new = k_pool[layer_idx, :, own_block, own % block_size].astype(jnp.float32)  # [T, Hkv, D]
+    v_new = v_pool[layer_idx, :, own_block, own % block_size].astype(jnp.float32)
+    idx = jnp.arange(padded, dtype=jnp.int32)
+    earliest = idx - (q_pos - jnp.maximum(lo, new_start))
+    m_b, l_b, acc_b = _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap)
+
+    m_a, l_a, acc_a = _cached_sorted(qf, k_cache, v_cache, tables, q_pos, lo, new_start,
+                                     soft_cap=soft_cap, layer=layer)
+
+    m = jnp.maximum(m_a, m_b)
+    alpha_a, alpha_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
+    l = l_a * alpha_a + l_b * alpha_b
+    acc = acc_a * alpha_a[..., None] + acc_b * alpha_b[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return out.reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
