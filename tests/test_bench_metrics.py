@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from jaxserve.bench import datasets as ds
@@ -94,3 +95,65 @@ def test_sharegpt_file(tmp_path):
     assert reqs[0].prompt_len == 5 and reqs[0].expected_output_len == 6 and isinstance(reqs[0].prompt, str)
     with pytest.raises(ValueError, match="dataset_path"):
         ds.sharegpt_requests(str(path), ds.WordTokenizer(), 2)
+
+
+def _dataset_args(*argv: str):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    ds.add_dataset_args(p)
+    return p.parse_args(list(argv))
+
+
+def test_lognormal_lengths_median_clip_seed():
+    tok = ds.WordTokenizer()
+    reqs = ds.lognormal_requests(tok, 2000, 128, 64, sigma=0.7, seed=0)
+    ins, outs = np.array([r.prompt_len for r in reqs]), np.array([r.expected_output_len for r in reqs])
+    # the median of 2000 log-normal draws is within ~2% (1 sd) of the true one
+    assert np.median(ins) == pytest.approx(128, rel=0.08) and np.median(outs) == pytest.approx(64, rel=0.08)
+    assert ins.min() >= 16 and ins.max() <= 1024 and outs.min() >= 16 and outs.max() <= 512  # default ranges
+    assert np.std(np.log(ins)) == pytest.approx(0.7, rel=0.1)  # barely clipped at these medians
+    assert all(len(r.prompt) == r.prompt_len and all(isinstance(t, int) for t in r.prompt) for r in reqs[:20])
+    same = ds.lognormal_requests(tok, 2000, 128, 64, sigma=0.7, seed=0)
+    assert [(r.prompt, r.expected_output_len) for r in reqs] == [(r.prompt, r.expected_output_len) for r in same]
+    other = ds.lognormal_requests(tok, 2000, 128, 64, sigma=0.7, seed=1)
+    assert [r.prompt_len for r in other] != list(ins)
+    # a wide sigma and narrow ranges: every length clipped into them, both ends reached
+    wide = ds.lognormal_requests(tok, 300, 40, 40, sigma=2.0, input_range="30:50", output_range=(1, 40), seed=2)
+    assert {min(r.prompt_len for r in wide), max(r.prompt_len for r in wide)} == {30, 50}
+    assert {min(r.expected_output_len for r in wide), max(r.expected_output_len for r in wide)} == {1, 40}
+    flat = ds.lognormal_requests(tok, 5, 33.4, 7, sigma=0.0, seed=0)  # sigma 0: the median, rounded and clipped
+    assert [(r.prompt_len, r.expected_output_len) for r in flat] == [(33, 16)] * 5
+    text = ds.lognormal_requests(tok, 10, 20, 20, seed=3, as_ids=False)
+    assert all(isinstance(r.prompt, str) and len(r.prompt.split()) == r.prompt_len for r in text)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(sigma=-0.1), "lognormal_sigma: must be >= 0"),
+    (dict(input_range="100:10"), "lognormal_input_range: LO must be <= HI"),
+    (dict(input_range="0:10"), "lognormal_input_range: LO must be >= 1"),
+    (dict(input_range="16-1024"), "lognormal_input_range: must be LO:HI"),
+    (dict(input_range="1:2:3"), "lognormal_input_range: must be LO:HI"),
+    (dict(output_range="a:b"), "lognormal_output_range: must be LO:HI"),
+    (dict(output_range="9:8"), "lognormal_output_range: LO must be <= HI"),
+    (dict(input_median=0), "random_input_len"),
+])
+def test_lognormal_bad_values(kwargs, match):
+    args = dict(input_median=64, output_median=64) | kwargs
+    with pytest.raises(ValueError, match=match):
+        ds.lognormal_requests(ds.WordTokenizer(), 4, **args)
+
+
+def test_lognormal_flags():
+    args = _dataset_args("--dataset-name", "lognormal")
+    assert (args.lognormal_sigma, args.lognormal_input_range, args.lognormal_output_range) == (0.7, "16:1024", "16:512")
+    args = _dataset_args("--dataset-name", "lognormal", "--num-prompts", "200", "--random-input-len", "20",
+                         "--random-output-len", "10", "--lognormal-sigma", "1.5", "--lognormal-input-range", "8:32",
+                         "--lognormal-output-range", "4:12", "--seed", "5")
+    reqs = ds.build_requests(args, ds.WordTokenizer(), as_ids=True)
+    assert len(reqs) == 200 and all(8 <= r.prompt_len <= 32 and 4 <= r.expected_output_len <= 12 for r in reqs)
+    direct = ds.lognormal_requests(ds.WordTokenizer(), 200, 20, 10, 1.5, "8:32", "4:12", seed=5)
+    assert [r.prompt for r in reqs] == [r.prompt for r in direct]
+    with pytest.raises(ValueError, match="lognormal_sigma"):
+        ds.build_requests(_dataset_args("--dataset-name", "lognormal", "--lognormal-sigma", "-1"), ds.WordTokenizer(),
+                          as_ids=True)

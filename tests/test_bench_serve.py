@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from jaxserve.bench import datasets as ds
+from jaxserve.bench import serve as bench_serve
 from jaxserve.bench.plots import plot_sweep
 from jaxserve.bench.sweep import parse_values, recommend, table
 from jaxserve.cli import main as cli_main
@@ -24,6 +26,35 @@ VLLM_KEYS += [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for s in ("
 def url():
     with serve_in_thread(build_app(FakeAsyncLLM(step_delay=0.002))) as base:
         yield base
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    return ds.load_local_tokenizer("default")
+
+
+@pytest.fixture(scope="module")
+def smol_url(default_tokenizer):
+    """The fake engine with jaxserve's default tokenizer (SmolLM2's): the server's /tokenize, and the token
+    ids it accepts, are those of a real jaxserve serving its default model."""
+    engine = FakeAsyncLLM(step_delay=0.002, crash_token=None)
+    engine.tokenizer = default_tokenizer.tok
+    with serve_in_thread(build_app(engine)) as base:
+        yield base
+
+
+@pytest.fixture
+def sent(monkeypatch) -> list[dict]:
+    """The request bodies `bench serve` sends, the test request's first."""
+    bodies: list[dict] = []
+    real = bench_serve.build_payload
+
+    def record(*args, **kwargs):
+        bodies.append(real(*args, **kwargs))
+        return bodies[-1]
+
+    monkeypatch.setattr(bench_serve, "build_payload", record)
+    return bodies
 
 
 def _run(tmp_path, url, *extra: str) -> dict:
@@ -64,6 +95,74 @@ def test_serve_reports_failures(tmp_path, url):
     with pytest.raises(SystemExit, match="test request"):
         cli_main(["bench", "serve", "--base-url", url, "--num-prompts", "2", "--random-input-len", "100",
                   "--disable-tqdm"])
+
+
+def test_serve_lognormal_dataset(tmp_path, url):
+    res = _run(tmp_path, url, "--dataset-name", "lognormal", "--seed", "4", "--lognormal-input-range", "4:20",
+               "--lognormal-output-range", "2:8", "--lognormal-sigma", "1.0")
+    want = ds.lognormal_requests(ds.WordTokenizer(), 10, 8, 5, 1.0, "4:20", "2:8", seed=4)
+    assert res["completed"] == 10 and res["dataset_name"] == "lognormal"
+    assert res["input_lens"] == [r.prompt_len for r in want]
+    assert res["output_lens"] == [r.expected_output_len for r in want]
+    assert len(set(res["input_lens"])) > 1
+    with pytest.raises(SystemExit, match="lognormal_input_range"):
+        _run(tmp_path, url, "--dataset-name", "lognormal", "--lognormal-input-range", "20:4")
+
+
+def test_serve_tokenizer_default_sends_its_ids(tmp_path, smol_url, default_tokenizer, sent):
+    want = ds.random_requests(default_tokenizer, 10, 8, 5, seed=0, as_ids=True)
+    assert all(len(r.prompt) == 8 and isinstance(r.prompt[0], int) for r in want)
+    res = _run(tmp_path, smol_url, "--tokenizer", "default")
+    assert res["tokenizer_id"] == "default" and res["completed"] == 10 and res["input_lens"] == [8] * 10
+    assert [b["prompt"] for b in sent[1:]] == [r.prompt for r in want]  # after the test request
+    # the same ids as the bench builds with jaxserve's own /tokenize
+    sent.clear()
+    res = _run(tmp_path, smol_url)
+    assert res["tokenizer_id"] == "server" and [b["prompt"] for b in sent[1:]] == [r.prompt for r in want]
+
+
+def test_serve_tokenizer_text_prompts(tmp_path, smol_url, default_tokenizer, sent):
+    """Text (chat by default, or --prompt-format text) is the same ids decoded; it re-encodes to them."""
+    texts = [default_tokenizer.decode(r.prompt) for r in ds.random_requests(default_tokenizer, 10, 8, 5, seed=0)]
+    res = _run(tmp_path, smol_url, "--tokenizer", "default", "--prompt-format", "text")
+    assert [b["prompt"] for b in sent[1:]] == texts and res["input_lens"] == [8] * 10  # counted by the server
+    sent.clear()
+    res = _run(tmp_path, smol_url, "--tokenizer", "default", "--endpoint", "/v1/chat/completions")
+    assert [b["messages"][0]["content"] for b in sent[1:]] == texts
+    assert res["tokenizer_id"] == "default" and res["backend"] == "openai-chat" and res["completed"] == 10
+
+
+def test_tokenizer_sources(tmp_path, default_tokenizer):
+    """A .gguf file, or an HF tokenizer directory, gives the same requests as `default`; bad values fail clearly."""
+    from jaxserve.weights.loader import default_model_path
+
+    args = bench_serve_args("--tokenizer", "default", "--num-prompts", "4", "--random-input-len", "6")
+    want = [r.prompt for r in ds.build_requests(args, default_tokenizer, as_ids=True)]
+    default_tokenizer.tok.save_pretrained(str(tmp_path / "tok"))
+    for source in (str(default_model_path()), str(tmp_path / "tok")):
+        assert [r.prompt for r in ds.build_requests(args, ds.load_local_tokenizer(source), as_ids=True)] == want
+    # prompts from the token pool decode and re-encode to the same ids (text and ids servers get the same tokens)
+    for r in ds.random_requests(default_tokenizer, 20, 100, 1, seed=1):
+        assert default_tokenizer.encode(default_tokenizer.decode(r.prompt)) == r.prompt
+    body = bench_serve.build_payload("/v1/completions", "m", ds.SampleRequest(want[0], 6, 3), False, 0.0)
+    assert body["prompt"] == want[0] and body["max_tokens"] == 3
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf")
+    (tmp_path / "empty").mkdir()
+    for bad, match in ((tmp_path / "missing", "no such file"), (tmp_path / "bad.gguf", "cannot load"),
+                       (tmp_path / "empty", "cannot load"), (tmp_path / "bad.gguf.txt", "no such file")):
+        with pytest.raises(ValueError, match=f"^tokenizer: .*{match}"):
+            ds.load_local_tokenizer(str(bad))
+    # fails before any request: no server at this port
+    with pytest.raises(SystemExit, match="tokenizer: .*no such file"):
+        cli_main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--tokenizer", str(tmp_path / "missing")])
+
+
+def bench_serve_args(*argv: str):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    bench_serve.add_arguments(p)
+    return p.parse_args(list(argv))
 
 
 def test_sweep_helpers_and_plots(tmp_path):

