@@ -1,0 +1,149 @@
+"""jaxserve against the servers a user would pick instead, on the same requests, one after the other.
+
+Starts each server in turn (jaxserve, llama.cpp's llama-server, transformers serve),
+waits until it answers, runs `jaxserve bench serve` against it at each concurrency,
+stops it, and prints one table with jaxserve's ratios. Every server gets the same
+requests: the log-normal dataset (medians 128/128, sigma 0.7, prompts clipped to
+16-1024 and outputs to 16-512 tokens), all at t=0, greedy, built with jaxserve's
+tokenizer of the default model (ids to jaxserve and llama.cpp, the same text to
+transformers serve). Example (the performance issue's run):
+
+    .venv/bin/python scripts/bench_peers.py --peers jaxserve llamacpp \\
+        --llama-server ~/llama.cpp/build/bin/llama-server --concurrency 16 32 --num-prompts 64
+
+transformers serve rejects `ignore_eos`, so it is served from a copy of the HF
+directory whose generation_config has no eos token (it then also runs every
+request to its max_tokens); pass that directory as --hf-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def default_gguf() -> str:
+    from jaxserve.weights.loader import default_model_path
+    return str(default_model_path())
+
+
+def server_command(peer: str, args, port: int) -> list[str]:
+    if peer == "jaxserve":
+        return [str(Path(PY).parent / "jaxserve"), "serve", *(args.jaxserve_args or []),
+                "--host", "127.0.0.1", "--port", str(port)]
+    if peer == "llamacpp":
+        if not args.llama_server:
+            raise SystemExit("--llama-server PATH is needed for the llamacpp peer")
+        return [args.llama_server, "-m", default_gguf(), "-np", str(max(args.concurrency)),
+                "-c", str(2048 * max(args.concurrency)), "-t", str(args.threads), "-cb",
+                "--host", "127.0.0.1", "--port", str(port)]
+    if peer == "transformers":
+        if not args.hf_dir:
+            raise SystemExit("--hf-dir DIR is needed for the transformers peer")
+        return [str(Path(PY).parent / "transformers"), "serve", args.hf_dir, "--continuous-batching",
+                "--cb-max-batch-tokens", "512", "--cb-num-blocks", "64", "--device", "cpu",
+                "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port)]
+    raise SystemExit(f"unknown peer {peer!r}")
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise SystemExit(f"server not ready after {timeout} s")
+
+
+def bench(peer: str, url: str, concurrency: int, args) -> dict:
+    name = f"{args.tag}{peer}_c{concurrency}.json"
+    cmd = [str(Path(PY).parent / "jaxserve"), "bench", "serve", "--base-url", url,
+           "--endpoint", "/v1/completions", "--dataset-name", "lognormal", "--tokenizer", "default",
+           "--random-input-len", "128", "--random-output-len", "128", "--lognormal-sigma", "0.7",
+           "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
+           "--seed", str(args.seed), "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", args.result_dir,
+           "--result-filename", name, "--disable-tqdm"]
+    if peer == "transformers":
+        cmd += ["--prompt-format", "text"]  # and no --ignore-eos: it answers 422 to the field
+    else:
+        cmd += ["--ignore-eos"]
+    if peer == "llamacpp" or peer == "transformers":
+        cmd += ["--model", args.served_name.get(peer, "default")]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads((Path(args.result_dir) / name).read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--peers", nargs="+", default=["jaxserve", "llamacpp"],
+                   choices=["jaxserve", "llamacpp", "transformers"])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[16, 32])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
+    p.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    p.add_argument("--hf-dir", default=None, help="HF-format directory for transformers serve")
+    p.add_argument("--jaxserve-args", nargs=argparse.REMAINDER, default=None,
+                   help="flags for jaxserve serve (last on the line)")
+    p.add_argument("--result-dir", default=str(ROOT / "docs" / "perf"))
+    p.add_argument("--tag", default="", help="prefix of the result files")
+    p.add_argument("--port", type=int, default=8041)
+    args = p.parse_args()
+    args.served_name = {"transformers": args.hf_dir or ""}
+    Path(args.result_dir).mkdir(parents=True, exist_ok=True)
+
+    results: dict[tuple[str, int], dict] = {}
+    for peer in args.peers:
+        cmd = server_command(peer, args, args.port)
+        print("$", " ".join(cmd), flush=True)
+        log = open(Path(args.result_dir) / f"{args.tag}{peer}_server.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            ready = wait_ready(url, proc, 600)
+            print(f"{peer} ready in {ready:.0f} s", flush=True)
+            if peer == "llamacpp":
+                args.served_name["llamacpp"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            for c in args.concurrency:
+                results[(peer, c)] = bench(peer, url, c, args)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+    print(f"\n| server | concurrency | completed | input tok | output tok | duration s | output tok/s | "
+          f"total tok/s | TTFT median ms | TPOT median ms | ITL median ms | jaxserve output tok/s ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (peer, c), r in results.items():
+        base = results.get(("jaxserve", c))
+        ratio = f"{base['output_throughput'] / r['output_throughput']:.2f}x" if base and peer != "jaxserve" else ""
+        print(f"| {peer} | {c} | {r['completed']}/{r['num_prompts']} | {r['total_input_tokens']} | "
+              f"{r['total_output_tokens']} | {r['duration']:.1f} | {r['output_throughput']:.1f} | "
+              f"{r['total_token_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} | "
+              f"{r['median_itl_ms']:.0f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Where a serving step's time goes: the engine on a log-normal workload, timed by phase.
+
+Runs LLMEngine (the default model unless --model) on the performance issue's
+workload shape (log-normal prompt and output lengths, all requests at t=0,
+greedy, ignore_eos) and times each phase of every step with wall clocks:
+
+    schedule   Scheduler.schedule (host)
+    prepare    ModelRunner.prepare: pack the batch, sampler inputs (host)
+    model      the jitted model step, dispatch to completion (device)
+    sample     LM head + sampler program and the fetch of its tokens (device)
+    update     Scheduler.update, detokenization, stop checks, outputs (host)
+
+Steps are split into decode-only steps and steps carrying prompt tokens. Run:
+
+    .venv/bin/python scripts/profile_step.py --num-prompts 64 --max-num-seqs 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+
+import jax
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-median", type=int, default=128)
+    p.add_argument("--output-median", type=int, default=128)
+    p.add_argument("--sigma", type=float, default=0.7)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    from jaxserve.bench.datasets import lognormal_lengths, token_pool
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.engine import model_runner
+
+    engine = LLMEngine(EngineArgs(
+        model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill))
+    rng = np.random.default_rng(args.seed)
+    ins = lognormal_lengths(rng, args.num_prompts, args.input_median, args.sigma, 16, 1024)
+    outs = lognormal_lengths(rng, args.num_prompts, args.output_median, args.sigma, 16, 512)
+    pool = np.asarray(token_pool(engine.tokenizer))
+
+    # Wrap each phase with a wall clock; the model step is made synchronous so its time is its own.
+    times: dict[str, float] = collections.defaultdict(float)
+
+    def timed(name, fn, sync=False):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            if sync:
+                jax.block_until_ready(r)
+            times[name] += time.perf_counter() - t0
+            return r
+        return wrapper
+
+    sched, runner = engine.scheduler, engine.runner
+    sched.schedule = timed("schedule", sched.schedule)
+    runner.prepare = timed("prepare", runner.prepare)
+    runner._model_step = timed("model", runner._model_step, sync=True)
+    model_runner._sample_step = timed("sample", model_runner._sample_step)
+    model_runner._fetch = timed("sample", model_runner._fetch)  # the sampled tokens' device-to-host wait
+
+    for i, (n_in, n_out) in enumerate(zip(ins, outs)):
+        engine.add_request(str(i), {"prompt_token_ids": [int(t) for t in rng.choice(pool, size=n_in)]},
+                           SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+    steps = collections.defaultdict(list)  # kind -> [(total, {phase: s}, batched tokens)]
+    t_start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        times.clear()
+        t0 = time.perf_counter()
+        orig = sched.schedule
+        out_holder = {}
+
+        def grab(*a, **k):
+            out_holder["out"] = orig(*a, **k)
+            return out_holder["out"]
+        sched.schedule = grab
+        engine.step()
+        sched.schedule = orig
+        total = time.perf_counter() - t0
+        out = out_holder["out"]
+        prompt = any(len(sr.token_ids) > 1 or not sr.sample for sr in out.scheduled)
+        phases = dict(times)
+        phases["update"] = total - sum(v for k, v in phases.items() if k != "update")  # the rest of step()
+        steps["with prompt tokens" if prompt else "decode only"].append((total, phases, out.num_batched_tokens))
+    wall = time.perf_counter() - t_start
+
+    n_out, n_in = sum(outs), sum(ins)
+    print(f"{args.num_prompts} requests, {n_in} prompt + {n_out} output tokens in {wall:.1f} s: "
+          f"{n_out / wall:.1f} output tok/s, {(n_in + n_out) / wall:.1f} total tok/s")
+    names = ("schedule", "prepare", "model", "sample", "update")
+    print(f"{'steps':>22} {'n':>5} {'tokens':>7} {'step ms':>8} " + " ".join(f"{n:>9}" for n in names)
+          + f" {'share':>6}")
+    for kind, rows in steps.items():
+        med = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+        share = sum(r[0] for r in rows) / wall
+        print(f"{kind:>22} {len(rows):>5} {statistics.median(r[2] for r in rows):>7.0f} "
+              f"{med([r[0] for r in rows]):>8.1f} "
+              + " ".join(f"{med([r[1].get(n, 0.0) for r in rows]):>9.1f}" for n in names)
+              + f" {share:>6.0%}")
+
+
+if __name__ == "__main__":
+    main()
