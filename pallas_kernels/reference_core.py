@@ -10,16 +10,18 @@ split in two and each part is read as little as possible:
 
     positions  [first_key_t ........ new_start_s)  [new_start_s ... q_pos_t]
                part A: cached context               part B: this step's tokens
-               gathered from the pool, per query    read once (one row per token,
-               tile of 32 packed tokens, each tile  by its own slot), then banded
-               looping only over its own longest    causal attention in packed
-               context (a fresh prompt: 0 trips)    order, tile against tile
+               a flat list of (token, block) pairs, read once (one row per token,
+               128 blocks gathered per iteration:   by its own slot), then banded
+               only the blocks each token needs     causal attention in packed
+               (a fresh prompt: none)               order, tile against tile
 
 Both parts run a flash-style online softmax ``(max, sum, acc)`` and are merged
-at the end. Part A's tiles keep a mixed step's prompt tokens from paying for
-its decode tokens' long contexts; part B keeps a prompt's tokens from each
-gathering the whole prompt again. The new tokens' K/V must already be in the
-pool (``write_kv`` runs first), so the signature needs no extra K/V inputs.
+at the end. Part A's pair list keeps a batch's short contexts from paying for
+its longest one (a padded [tokens, longest context] gather wasted about 2/3 of
+its reads on log-normal contexts) and a mixed step's prompt tokens from paying
+for its decode tokens; part B keeps a prompt's tokens from each gathering the
+whole prompt again. The new tokens' K/V must already be in the pool
+(``write_kv`` runs first), so the signature needs no extra K/V inputs.
 """
 
 from __future__ import annotations
@@ -30,13 +32,11 @@ from jax import lax
 
 from pallas_kernels.common import NEG_INF, cap_logits, first_key
 
-# Keys per part-A loop iteration: measured on a 2-core CPU (SmolLM2-135M shapes), 64 keys
-# beat 32 and 128+ (bigger chunks waste work on short contexts and spill caches).
-_CHUNK_KEYS = 64
-# Packed query tokens per tile (part A's unit of gathering, part B's tile against tile).
+# Packed query tokens per tile of part B (tile against tile).
 _TILE = 32
-# Tokens per part-A tile, after sorting by cached-context length.
-_A_TILE = 32
+# Blocks per part-A loop iteration: on a 2-core CPU (SmolLM2-135M, 22 decode tokens with
+# log-normal contexts) 128 beat 64, 256 and 512.
+_PAIRS = 128
 
 
 def gather_blocks(
@@ -63,81 +63,57 @@ def _softmax_update(carry, s, mask, v, pv_spec: str):
     return m_new, l, acc
 
 
-def _cached_part(qf, tables, q_pos, lo, new_start, *, k_cache, v_cache, soft_cap, layer):
-    """Part A for one tile: keys at [lo, new_start) from the pool. qf [Q, Hkv, G, D]."""
+def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, *, soft_cap, layer):
+    """Part A as a flat list of (token, block) pairs, _PAIRS blocks per loop iteration.
+
+    Pair p is block b_p of token t_p's cached context, listed token by token; the loop
+    walks the list, so the work is the number of blocks the tokens really need (no
+    padding of short contexts up to the longest one) in few, large iterations. Each
+    iteration scores its blocks, reduces them per block (max, sum, weighted values)
+    and folds those into the tokens' running softmax with scatter max / add.
+    """
     num_tokens, num_kv_heads, group, head_dim = qf.shape
     num_blocks, block_size = k_cache.shape[-3], k_cache.shape[-2]
     max_blocks = tables.shape[1]
-    chunk = int(max(1, min(_CHUNK_KEYS // block_size, max_blocks)))
-    chunk_keys = chunk * block_size
-
-    start_block = lo // block_size  # [Q]
-    span = new_start - start_block * block_size
-    num_chunks = jnp.where((q_pos >= 0) & (span > 0), (span + chunk_keys - 1) // chunk_keys, 0)
-    trip = jnp.max(num_chunks)
-    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    first = lo // block_size  # [T] first block of the cached part
+    end = jnp.where(q_pos >= 0, (new_start + block_size - 1) // block_size, 0)  # one past its last
+    count = jnp.maximum(end - first, 0)
+    ends = jnp.cumsum(count)  # pair p belongs to the token whose [ends - count, ends) holds p
+    total = ends[-1]
+    pairs = min(_PAIRS, num_tokens * max_blocks)
+    trip = (total + pairs - 1) // pairs
     in_block = jnp.arange(block_size, dtype=jnp.int32)
 
-    def body(carry):
-        j, m, l, acc = carry
-        blk_idx = start_block[:, None] + j * chunk + offsets[None, :]  # [Q, C]
-        in_table = blk_idx < max_blocks
-        blk_ids = jnp.take_along_axis(tables, jnp.minimum(blk_idx, max_blocks - 1), axis=1)
-        blk_ids = jnp.clip(blk_ids, 0, num_blocks - 1)
-        k = gather_blocks(k_cache, blk_ids, layer).astype(jnp.float32)  # [Q, C, Hkv, BS, D]
-        v = gather_blocks(v_cache, blk_ids, layer).astype(jnp.float32)
-        key_pos = (blk_idx[:, :, None] * block_size + in_block).reshape(num_tokens, chunk_keys)
-        mask = ((key_pos >= lo[:, None]) & (key_pos < new_start[:, None])
-                & jnp.repeat(in_table, block_size, axis=1))  # [Q, C * BS]
-        k = k.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk_keys, head_dim)
-        v = v.transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, chunk_keys, head_dim)
-        # A freed block may hold NaN/inf: zero masked values so 0 * NaN never happens.
-        v = jnp.where(mask[:, None, :, None], v, 0.0)
-        s = cap_logits(jnp.einsum("thgd,thkd->thgk", qf, k), soft_cap)  # [Q, Hkv, G, C * BS]
-        m, l, acc = _softmax_update((m, l, acc), s, mask[:, None, None], v, "thgk,thkd->thgd")
-        return j + 1, m, l, acc
+    def body(j, carry):
+        m, l, acc = carry
+        p = j * pairs + jnp.arange(pairs, dtype=jnp.int32)
+        live = p < total
+        t = jnp.minimum(jnp.searchsorted(ends, p, side="right"), num_tokens - 1).astype(jnp.int32)
+        b = first[t] + p - (ends[t] - count[t])  # block index in t's table
+        blk = jnp.clip(jnp.take_along_axis(tables[t], jnp.clip(b, 0, max_blocks - 1)[:, None], 1)[:, 0],
+                       0, num_blocks - 1)
+        k = gather_blocks(k_cache, blk, layer).astype(jnp.float32)  # [P, Hkv, BS, D]
+        v = gather_blocks(v_cache, blk, layer).astype(jnp.float32)
+        key_pos = b[:, None] * block_size + in_block  # [P, BS]
+        mask = live[:, None] & (key_pos >= lo[t][:, None]) & (key_pos < new_start[t][:, None])
+        v = jnp.where(mask[:, None, :, None], v, 0.0)  # a freed block may hold NaN/inf
+        s = (qf[t][:, :, :, None, :] * k[:, :, None, :, :]).sum(-1)  # [P, Hkv, G, BS]
+        s = jnp.where(mask[:, None, None, :], cap_logits(s, soft_cap), NEG_INF)
+        m_p = s.max(-1)  # [P, Hkv, G]
+        e = jnp.where(mask[:, None, None, :], jnp.exp(s - m_p[..., None]), 0.0)
+        l_p = e.sum(-1)
+        acc_p = (e[..., None] * v[:, :, None, :, :]).sum(-2)  # [P, Hkv, G, D]
+        m_new = m.at[t].max(m_p, indices_are_sorted=True)
+        scale = jnp.exp(m - m_new)
+        w = jnp.exp(m_p - m_new[t])  # 0 for masked-out pairs (m_p = NEG_INF)
+        l = (l * scale).at[t].add(w * l_p, indices_are_sorted=True)
+        acc = (acc * scale[..., None]).at[t].add(w[..., None] * acc_p, indices_are_sorted=True)
+        return m_new, l, acc
 
-    init = (
-        jnp.int32(0),
-        jnp.full((num_tokens, num_kv_heads, group), NEG_INF, jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    _, m, l, acc = lax.while_loop(lambda c: c[0] < trip, body, init)
-    return m, l, acc
-
-
-def _cached_sorted(qf, k_cache, v_cache, tables, q_pos, lo, new_start, *, soft_cap, layer):
-    """Part A for all tokens: longest cached context first, in tiles of _A_TILE tokens.
-
-    Sorting puts tokens of similar context length in one tile, so a tile's loop (as long
-    as its longest context) wastes little on the others; tokens with no cached context
-    (fresh prompts, padding) sort last and their tiles are skipped.
-    """
-    num_tokens = qf.shape[0]
-    tile = min(_A_TILE, num_tokens)
-    if tile == num_tokens:
-        return _cached_part(qf, tables, q_pos, lo, new_start, k_cache=k_cache, v_cache=v_cache,
-                            soft_cap=soft_cap, layer=layer)
-    block_size = k_cache.shape[-2]
-    span = jnp.where(q_pos >= 0, new_start - (lo // block_size) * block_size, 0)
-    order = jnp.argsort(-span)  # longest first
-    num_tiles = num_tokens // tile
-    xs = tuple(x[order].reshape(num_tiles, tile, *x.shape[1:]) for x in (qf, tables, q_pos, lo, new_start))
-    active = (jnp.sum(span > 0) + tile - 1) // tile
-
-    def body(i, outs):
-        part = _cached_part(*(lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs),
-                            k_cache=k_cache, v_cache=v_cache, soft_cap=soft_cap, layer=layer)
-        return tuple(lax.dynamic_update_index_in_dim(o, r, i, 0) for o, r in zip(outs, part))
-
-    _, num_kv_heads, group, head_dim = qf.shape
-    init = (jnp.full((num_tiles, tile, num_kv_heads, group), NEG_INF, jnp.float32),
-            jnp.zeros((num_tiles, tile, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_tiles, tile, num_kv_heads, group, head_dim), jnp.float32))
-    outs = lax.fori_loop(0, active, body, init)
-    inverse = jnp.argsort(order)
-    return tuple(o.reshape(num_tokens, *o.shape[2:])[inverse] for o in outs)
+    init = (jnp.full((num_tokens, num_kv_heads, group), NEG_INF, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    return lax.fori_loop(0, trip, body, init)
 
 
 def _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap):
@@ -238,7 +214,7 @@ def attend_reference(
     earliest = idx - (q_pos - jnp.maximum(lo, new_start))
     m_b, l_b, acc_b = _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap)
 
-    m_a, l_a, acc_a = _cached_sorted(qf, k_cache, v_cache, tables, q_pos, lo, new_start,
+    m_a, l_a, acc_a = _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start,
                                      soft_cap=soft_cap, layer=layer)
 
     m = jnp.maximum(m_a, m_b)
@@ -247,3 +223,4 @@ def attend_reference(
     acc = acc_a * alpha_a[..., None] + acc_b * alpha_b[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
+
