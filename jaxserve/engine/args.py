@@ -25,7 +25,7 @@ class EngineArgs:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: max_model_len (or 512 with chunked prefill)
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True  # as vLLM V1; off: a step takes whole prompts only
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
     swap_space: float = 1.0  # GiB of host memory for swapped-out blocks

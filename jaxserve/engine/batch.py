@@ -37,6 +37,19 @@ def buckets(lo: int, hi: int) -> list[int]:
     return out + [hi]
 
 
+def token_buckets(lo: int, hi: int) -> list[int]:
+    """The model step's token buckets: powers of two, plus the 1.5x midpoints from 64 tokens on.
+
+    A step's compute is proportional to its padded token count, and steps carrying
+    one new prompt next to the decodes (160-300 tokens) are common: powers of two
+    alone padded those up to 2x, the midpoints cap padding at 1.5x for a few more
+    programs to compile (3 up to 512 tokens).
+    """
+    grid = set(buckets(lo, hi))
+    grid.update(b + b // 2 for b in list(grid) if b >= 64 and b + b // 2 < hi)
+    return sorted(grid)
+
+
 def bucket_for(n: int, grid: list[int]) -> int:
     for b in grid:
         if n <= b:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack
+from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack, token_buckets
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
@@ -150,7 +150,7 @@ class ModelRunner:
                                     self.cfg.head_dim, dtype)
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
-        self.token_buckets = buckets(16, max(16, rc.max_num_batched_tokens))
+        self.token_buckets = token_buckets(16, max(16, rc.max_num_batched_tokens))
         self.seq_buckets = buckets(8, max(8, rc.max_num_seqs))
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
