@@ -111,27 +111,29 @@ def main() -> None:
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
 
     results: dict[tuple[str, int], dict] = {}
+    # A fresh server for every run: llama-server keeps each slot's last prompt and reuses it
+    # for a request sharing its prefix, so a second run of the same prompts would hit its cache.
     for peer in args.peers:
-        cmd = server_command(peer, args, args.port)
-        print("$", " ".join(cmd), flush=True)
-        log = open(Path(args.result_dir) / f"{args.tag}{peer}_server.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        url = f"http://127.0.0.1:{args.port}"
-        try:
-            ready = wait_ready(url, proc, 600)
-            print(f"{peer} ready in {ready:.0f} s", flush=True)
-            if peer == "llamacpp":
-                args.served_name["llamacpp"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-            for c in args.concurrency:
-                results[(peer, c)] = bench(peer, url, c, args)
-        finally:
-            proc.send_signal(signal.SIGTERM)
+        for c in args.concurrency:
+            cmd = server_command(peer, args, args.port)
+            print("$", " ".join(cmd), flush=True)
+            log = open(Path(args.result_dir) / f"{args.tag}{peer}_c{c}_server.log", "w")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            url = f"http://127.0.0.1:{args.port}"
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+                ready = wait_ready(url, proc, 600)
+                print(f"{peer} ready in {ready:.0f} s", flush=True)
+                if peer == "llamacpp":
+                    args.served_name["llamacpp"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+                results[(peer, c)] = bench(peer, url, c, args)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                log.close()
 
     print(f"\n| server | concurrency | completed | input tok | output tok | duration s | output tok/s | "
           f"total tok/s | TTFT median ms | TPOT median ms | ITL median ms | jaxserve output tok/s ratio |")
