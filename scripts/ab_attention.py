@@ -3,9 +3,10 @@
 Loads `pallas_kernels/reference_core.py` as it was at REV (through `git show`) next
 to the current one, jits the SmolLM2-135M-shaped model step (random weights,
 float32, 1 GiB paged pool) once with each, and times them interleaved in one
-process on four batches: 32 decode tokens at context 250, 22 decode tokens with
-log-normal contexts (median 300), a prefill of 4 x 128 fresh tokens, and 28
-decode tokens next to 2 x 128 prompt tokens. Medians of --reps calls each.
+process on five batches: 32 decode tokens at context 250, 22 decode tokens with
+log-normal contexts (median 300), a prefill of 4 x 128 fresh tokens, 28 decode
+tokens next to 2 x 128 prompt tokens, and the second 512-token chunk of a
+1024-token prompt. Medians of --reps calls each.
 
     .venv/bin/python scripts/ab_attention.py --rev 8ff7d07
 """
@@ -110,7 +111,8 @@ def main() -> None:
     cases = {"32 decode, context 250": ([(250, 1)] * 32, 32),
              "22 decode, log-normal contexts": ([(int(c), 1) for c in ctx], 32),
              "prefill 4 x 128": ([(0, 128)] * 4, 512),
-             "28 decode + 2 x 128 prompt": ([(250, 1)] * 28 + [(0, 128)] * 2, 512)}
+             "28 decode + 2 x 128 prompt": ([(250, 1)] * 28 + [(0, 128)] * 2, 512),
+             "512-token chunk after 512 cached": ([(512, 512)], 512)}
     print(f"| batch | {args.rev} ms | work tree ms | ratio |\n|---|---:|---:|---:|")
     for name, (seqs, num_tokens) in cases.items():
         batch = make_batch(rng, seqs, num_tokens)
