@@ -78,7 +78,11 @@ def load_local_tokenizer(spec: str) -> HFTokenizer:
         else:
             path = Path(os.path.expanduser(spec))
         if path.is_file() and path.suffix == ".gguf":
-            return HFTokenizer(_gguf_tokenizer(path))
+            # jaxserve's own tokenizer for the file, the one its server uses. Imported here: the GGUF
+            # code pulls in JAX, which `bench serve` otherwise never imports.
+            from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
+
+            return HFTokenizer(load_gguf_tokenizer(None, path))
         if path.is_dir():
             from transformers import AutoTokenizer
 
@@ -89,22 +93,6 @@ def load_local_tokenizer(spec: str) -> HFTokenizer:
         raise ValueError(f"tokenizer: {spec!r}: no such file or directory (hub ids are never downloaded: "
                          "pass 'default', a .gguf file or a local tokenizer directory)")
     raise ValueError(f"tokenizer: {spec!r} is not 'default', a .gguf file or a tokenizer directory")
-
-
-def _gguf_tokenizer(path: Path):
-    """jaxserve's tokenizer for a GGUF file (the one its server uses). Imported here: the GGUF code pulls
-    in JAX, which `bench serve` otherwise never imports. The tokenizer cached beside the file is read
-    directly: opening the GGUF (parsing every tensor's header) takes seconds and is only needed to build it."""
-    from jaxserve.weights import gguf_tokenizer
-
-    cached = gguf_tokenizer._cache_dir(path)
-    if (cached / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(str(cached), local_files_only=True)
-    from jaxserve.weights.gguf_file import open_gguf
-
-    return gguf_tokenizer.load_gguf_tokenizer(open_gguf(path), path)
 
 
 def token_pool(tokenizer: Tokenizer) -> list[int]:

@@ -18,7 +18,7 @@ from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.weights.gguf_file import field
+from jaxserve.weights.gguf_file import field, open_gguf
 
 CONTROL, USER_DEFINED = 3, 4
 # Pre-tokenizer split patterns for the `tokenizer.ggml.pre` values whose merges were not
@@ -40,11 +40,15 @@ def _cache_dir(path: Path) -> Path:
     return Path(os.path.expanduser("~/.cache/jaxserve/tokenizers")) / key
 
 
-def load_gguf_tokenizer(reader: GGUFReader, path: Path) -> PreTrainedTokenizerFast:
+def load_gguf_tokenizer(reader: GGUFReader | None, path: Path) -> PreTrainedTokenizerFast:
+    """The cached tokenizer of the GGUF file at `path`, else one built from `reader` and cached.
+
+    reader None: the file is opened only on a cache miss (opening parses every header: seconds).
+    """
     cache = _cache_dir(path)
     if (cache / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(cache))
-    tok = build_gguf_tokenizer(reader, path)
+    tok = build_gguf_tokenizer(reader if reader is not None else open_gguf(path), path)
     try:
         tok.save_pretrained(str(cache))
     except OSError:
