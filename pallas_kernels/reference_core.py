@@ -83,7 +83,7 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
     sum, weighted values) and folds those into the tokens' running softmax with
     scatter max / add. Tokens outside every group get nothing (max NEG_INF, sum 0).
     """
-    num_tokens, num_kv_heads, group_size, head_dim = qf.shape
+    num_tokens, num_kv_heads, heads_per_kv, head_dim = qf.shape
     num_blocks, block_size = k_cache.shape[-3], k_cache.shape[-2]
     max_blocks = tables.shape[1]
     # A group's first token has its smallest first key (a window only moves forward).
@@ -136,9 +136,9 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
         acc = (acc * scale[..., None]).at[r].add(w[..., None] * flat(acc_p), indices_are_sorted=group == 1)
         return m_new, l, acc
 
-    init = (jnp.full((num_tokens, num_kv_heads, group_size), NEG_INF, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group_size), jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, group_size, head_dim), jnp.float32))
+    init = (jnp.full((num_tokens, num_kv_heads, heads_per_kv), NEG_INF, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, heads_per_kv), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, heads_per_kv, head_dim), jnp.float32))
     return lax.fori_loop(0, trip, body, init)
 
 

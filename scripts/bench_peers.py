@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from jaxserve.bench.sweep import stop_server
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -128,11 +129,7 @@ def main() -> None:
                     args.served_name["llamacpp"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
                 results[(peer, c)] = bench(peer, url, c, args)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                stop_server(proc)
                 log.close()
 
     print(f"\n| server | concurrency | completed | input tok | output tok | duration s | output tok/s | "

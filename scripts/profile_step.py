@@ -23,7 +23,6 @@ import statistics
 import time
 
 import jax
-import numpy as np
 
 
 def main() -> None:
@@ -40,7 +39,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    from jaxserve.bench.datasets import lognormal_lengths, token_pool
+    from jaxserve.bench.datasets import lognormal_requests
     from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.sampling_params import SamplingParams
@@ -49,10 +48,8 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill))
-    rng = np.random.default_rng(args.seed)
-    ins = lognormal_lengths(rng, args.num_prompts, args.input_median, args.sigma, 16, 1024)
-    outs = lognormal_lengths(rng, args.num_prompts, args.output_median, args.sigma, 16, 512)
-    pool = np.asarray(token_pool(engine.tokenizer))
+    requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
+                                  args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
 
     # Wrap each phase with a wall clock; the model step is made synchronous so its time is its own.
     times: dict[str, float] = collections.defaultdict(float)
@@ -74,9 +71,9 @@ def main() -> None:
     model_runner._sample_step = timed("sample", model_runner._sample_step)
     model_runner._fetch = timed("sample", model_runner._fetch)  # the sampled tokens' device-to-host wait
 
-    for i, (n_in, n_out) in enumerate(zip(ins, outs)):
-        engine.add_request(str(i), {"prompt_token_ids": [int(t) for t in rng.choice(pool, size=n_in)]},
-                           SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True))
+    for i, r in enumerate(requests):
+        engine.add_request(str(i), {"prompt_token_ids": r.prompt},
+                           SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True))
     steps = collections.defaultdict(list)  # kind -> [(total, {phase: s}, batched tokens)]
     t_start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -99,7 +96,7 @@ def main() -> None:
         steps["with prompt tokens" if prompt else "decode only"].append((total, phases, out.num_batched_tokens))
     wall = time.perf_counter() - t_start
 
-    n_out, n_in = sum(outs), sum(ins)
+    n_out, n_in = sum(r.expected_output_len for r in requests), sum(r.prompt_len for r in requests)
     print(f"{args.num_prompts} requests, {n_in} prompt + {n_out} output tokens in {wall:.1f} s: "
           f"{n_out / wall:.1f} output tok/s, {(n_in + n_out) / wall:.1f} total tok/s")
     names = ("schedule", "prepare", "model", "sample", "update")
