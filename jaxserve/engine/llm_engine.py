@@ -35,6 +35,7 @@ from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_types import SchedulerConfig
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import resolve_backend
+from jaxserve.models.quant import calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model
 
 PromptType = str | list[int] | dict
@@ -63,6 +64,9 @@ class LLMEngine:
             model = load_model(args.model, args.dtype, progress, mesh=mesh)
         elif mesh is not None:
             model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
+        if args.quantization:
+            ids = calibration_ids(model.tokenizer, model.config.vocab_size)
+            model = dataclasses.replace(model, params=quantize_params(model.params, model.config, args.quantization, ids))
         self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -73,7 +77,7 @@ class LLMEngine:
             cfg.max_position_embeddings, CPU_MAX_MODEL_LEN if jax.default_backend() == "cpu" else 1 << 30)
         max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
                                                      else self.max_model_len)
-        dtype = jax.tree.leaves(self.model.params)[0].dtype
+        dtype = self.model.params["embed"].dtype
         per_block = kv_bytes_per_block(cfg, args.block_size, dtype, mesh)
         # What one device holds: its shard of each weight.
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))

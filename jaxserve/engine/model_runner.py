@@ -144,7 +144,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
         self.params = model.params  # already sharded over `mesh` when there is one
-        dtype = jax.tree.leaves(self.params)[0].dtype
+        dtype = self.params["embed"].dtype  # the model's dtype (matmul weights may be int8)
         if mesh is None:
             self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
                                     self.cfg.head_dim, dtype)
@@ -344,7 +344,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     """Temporary device memory of the largest token bucket's step, from XLA's memory analysis of a
     compile against a one-request pool (the activation peak does not grow with the pool)."""
     cfg = model.config
-    dtype = jax.tree.leaves(model.params)[0].dtype
+    dtype = model.params["embed"].dtype
     blocks = rc.max_blocks_per_seq + 1
     kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, blocks, rc.block_size, cfg.head_dim), dtype)
                for _ in range(2))

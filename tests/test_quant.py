@@ -1,0 +1,120 @@
+"""`quantization="int8"`: SmoothQuant folding keeps the float function, the int8 dot is close
+to the float one, and on the real model the quantized engine stays close to float32."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.engine.args import EngineArgs
+from jaxserve.entrypoints.cli_args import add_serve_args, resolve
+from jaxserve.models import quant
+from jaxserve.models.config import ModelConfig
+from tests.paged_helpers import paged_logits
+from tests.parallel_worker import BASE, FAMILIES, random_params
+
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250], [8, 1, 60]]
+CONTINUATIONS = [[11, 12, 13], [200, 201, 202]]
+
+
+def _family(name: str) -> tuple[ModelConfig, dict]:
+    cfg = ModelConfig(**{**BASE, **FAMILIES[name]})
+    params = jax.tree.map(jnp.asarray, random_params(cfg, seed=1))
+    # An outlier channel in the residual stream, as real models have, so smoothing matters.
+    params["embed"] = params["embed"].at[:, 3].mul(30.0)
+    return cfg, params
+
+
+@pytest.mark.parametrize("family", ["llama_gqa", "qwen2_bias_tied", "qwen3_qknorm", "llama_kv_fewer"])
+def test_smoothing_keeps_the_float_function(family: str) -> None:
+    cfg, params = _family(family)
+    ids = quant.calibration_ids(None, cfg.vocab_size)[:64]
+    smooth = quant.smooth_params(params, cfg, ids)
+    assert set(smooth["layers"]) >= {"wqkv", "w_gate_up", "wo", "w_down"} and "lm_head" in smooth
+    # The factors are not all 1: the folding is really exercised.
+    assert not np.allclose(np.asarray(smooth["layers"]["attn_norm"]), np.asarray(params["layers"]["attn_norm"]))
+    want = paged_logits(params, cfg, PROMPTS, CONTINUATIONS)
+    got = paged_logits(smooth, cfg, PROMPTS, CONTINUATIONS)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=2e-4, atol=2e-4 * np.abs(w).max())
+
+
+def test_int8_matmul_is_close_to_float() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((16, 128)).astype(np.float32)
+    x[:, 5] *= 20.0  # an outlier channel
+    w = rng.standard_normal((128, 48)).astype(np.float32) * 0.1
+    qw = quant.quantize_weight(jnp.asarray(w))
+    assert qw["q"].dtype == jnp.int8 and qw["scale"].shape == (48,)
+    got = np.asarray(quant.int8_matmul(jnp.asarray(x), qw))
+    want = x @ w
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
+    assert np.all(np.asarray(quant.int8_matmul(jnp.zeros((2, 128)), qw)) == 0)  # an all-zero row: no NaN
+
+
+def test_quantized_tiny_model_tracks_float() -> None:
+    cfg, params = _family("llama_gqa")
+    q = quant.quantize_params(params, cfg, "int8", quant.calibration_ids(None, cfg.vocab_size)[:64])
+    assert q["layers"]["wqkv"]["q"].dtype == jnp.int8 and q["lm_head"]["q"].dtype == jnp.int8
+    for w, g in zip(paged_logits(params, cfg, PROMPTS, CONTINUATIONS), paged_logits(q, cfg, PROMPTS, CONTINUATIONS)):
+        cos = (w * g).sum(-1) / (np.linalg.norm(w, axis=-1) * np.linalg.norm(g, axis=-1))
+        assert cos.min() > 0.99, cos
+
+
+def test_quantization_arguments() -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(quantization="fp8")
+    with pytest.raises(ValueError, match="quantization"):
+        EngineArgs(quantization="int8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization"):
+        quant.quantize_params({}, None, "int4", np.zeros(4, np.int32))  # type: ignore[arg-type]
+    parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
+    assert resolve(parser.parse_args(["--quantization", "int8"])).engine.quantization == "int8"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--quantization", "int4"])
+
+
+# Held-out text (not the calibration text): perplexity and top-1 agreement, teacher-forced.
+EVAL_TEXT = (
+    "The museum opened its doors in the spring, and within a week the queue stretched around the block. "
+    "Visitors came to see the collection of clocks, some of them four hundred years old, which the founder "
+    "had gathered on his travels through Europe and Asia. Each clock was wound by hand every morning. "
+    "The curator explained that the oldest pieces were kept behind glass, because the humidity of the room "
+    "changed with the number of people inside. In the evenings, a small team checked that every clock still "
+    "kept time, and wrote the results in a notebook that has been kept since the first day.\n\n"
+    "To install the package, run the installer and follow the prompts. If the installation fails, check "
+    "that you have enough disk space and that your network connection is working, then try again. "
+    "Most problems come from an old version of the runtime; updating it usually fixes them.\n\n"
+    "Photosynthesis is the process by which green plants use sunlight to turn water and carbon dioxide "
+    "into sugar and oxygen. It takes place mainly in the leaves, inside small structures called chloroplasts."
+)
+
+
+def _teacher_forced(llm: LLM) -> tuple[np.ndarray, float]:
+    ids = llm.get_tokenizer()(EVAL_TEXT)["input_ids"]
+    out = llm.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=1),
+                       use_tqdm=False)[0]
+    steps = out.prompt_logprobs[1:]
+    top1 = np.array([max(d.items(), key=lambda kv: kv[1].logprob)[0] for d in steps])
+    nll = -float(np.mean([d[t].logprob for d, t in zip(steps, ids[1:])]))
+    return top1, nll
+
+
+def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None:
+    kw = dict(max_num_seqs=1, max_num_batched_tokens=256, max_model_len=512, progress=False)
+    ref_top1, ref_nll = _teacher_forced(LLM(jax_default_model, **kw))
+    llm = LLM(jax_default_model, quantization="int8", **kw)
+    assert llm.llm_engine.model.params["layers"]["wqkv"]["q"].dtype == jnp.int8
+    top1, nll = _teacher_forced(llm)
+    # Measured: perplexity within 2% of float32 and top-1 agreement 0.92-0.94 on 1000 tokens.
+    assert np.exp(nll) / np.exp(ref_nll) < 1.05, (np.exp(nll), np.exp(ref_nll))
+    assert (top1 == ref_top1).mean() > 0.85
+    # Greedy generation works end to end and is not degenerate.
+    text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
+                        use_tqdm=False)[0].outputs[0].text
+    assert "Paris" in text
