@@ -14,17 +14,20 @@ from jax import export
 
 from jaxserve.engine.batch import StepInput, pack
 from jaxserve.engine.scheduler_types import ScheduledRequest, SchedulerOutput
-from jaxserve.models import llama
+from jaxserve.models import llama, quant
 from jaxserve.models.config import ModelConfig
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=576, intermediate_size=256,
                   num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2's attention shapes
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_model_step_with_pallas_backend_lowers_for_cuda(dtype):
+@pytest.mark.parametrize("dtype,quantization", [(jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, "int8")])
+def test_model_step_with_pallas_backend_lowers_for_cuda(dtype, quantization):
     shapes = llama.param_shapes(CFG)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    if quantization:  # the quantized layout (shapes only: nothing is computed)
+        params = jax.eval_shape(lambda p: quant.quantize_params(p, CFG, quantization, np.arange(32, dtype=np.int32)),
+                                params)
     num_blocks, block_size, max_len = 64, 16, 256
     kv = tuple(jax.ShapeDtypeStruct((CFG.num_layers, CFG.num_kv_heads, num_blocks, block_size, CFG.head_dim), dtype)
                for _ in range(2))
@@ -39,3 +42,5 @@ def test_model_step_with_pallas_backend_lowers_for_cuda(dtype):
     exp = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(params, kv, batch)
     assert "xla.gpu.triton" in exp.mlir_module()
+    if quantization:  # the matmuls really are int8 x int8 -> int32
+        assert "tensor<576x960xi8>" in exp.mlir_module() and "-> tensor<32x960xi32>" in exp.mlir_module()
