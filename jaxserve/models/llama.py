@@ -43,9 +43,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
-def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x: jax.Array,
-                     positions: jax.Array, kv: tuple[jax.Array, jax.Array], md: AttentionMetadata,
-                     layer: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
+                inv_freq: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's q [T, nq, hd], k, v [T, nkv, hd] from its normed input: projections, biases,
+    q/k norms and rope (float or quantized weights)."""
     num_tokens = x.shape[0]
     if "wqkv" in lp:  # quantized: one fused dot
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -54,14 +55,20 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
         q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)  # [T, nq, hd]
-    k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, nkv, hd]
-    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, nkv, hd]
+    q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x: jax.Array,
+                     positions: jax.Array, kv: tuple[jax.Array, jax.Array], md: AttentionMetadata,
+                     layer: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    num_tokens = x.shape[0]
+    q, k, v = project_qkv(cfg, lp, x, positions, inv_freq)
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
     out = attention.attend(backend, q, k_cache, v_cache, md, layer,
                            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)

@@ -96,8 +96,8 @@ def activation_absmax(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> d
     "head": [hidden]}. The attention is dense and causal (no cache, no sliding window: the
     calibration sequence is short).
     """
-    from jaxserve.models.llama import rms_norm
-    from jaxserve.models.rope import apply_rope, inv_frequencies
+    from jaxserve.models.llama import project_qkv, rms_norm
+    from jaxserve.models.rope import inv_frequencies
 
     num_tokens = token_ids.shape[0]
     positions = jnp.arange(num_tokens, dtype=jnp.int32)
@@ -107,16 +107,7 @@ def activation_absmax(params: dict, cfg: ModelConfig, token_ids: jax.Array) -> d
 
     def layer(h, lp):
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
-        if cfg.attention_bias:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = q.reshape(num_tokens, cfg.num_kv_heads, -1, cfg.head_dim)
-        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q.reshape(num_tokens, cfg.num_heads, cfg.head_dim), positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q, k, v = project_qkv(cfg, lp, x, positions, inv_freq)
         q = q.reshape(num_tokens, cfg.num_kv_heads, -1, cfg.head_dim)
         s = jnp.einsum("qhgd,khd->hgqk", q, k) * cfg.head_dim ** -0.5
         p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
