@@ -11,7 +11,7 @@ split in two and each part is read as little as possible:
     positions  [first_key_t ........ new_start_s)  [new_start_s ... q_pos_t]
                part A: cached context               part B: this step's tokens
                a flat list of (query, block) pairs, read once (one row per token,
-               128 blocks gathered per iteration:   by its own slot), then banded
+               2048 keys gathered per iteration:    by its own slot), then banded
                only the blocks each query needs     causal attention in packed
                (a fresh prompt: none); a query is   order, tile against tile
                a decode token, or a group of 32
@@ -37,13 +37,14 @@ from pallas_kernels.common import NEG_INF, cap_logits, first_key
 
 # Packed query tokens per tile of part B (tile against tile).
 _TILE = 32
-# Blocks per part-A loop iteration: on a 2-core CPU (SmolLM2-135M, 22 decode tokens with
-# log-normal contexts) 128 beat 64, 256 and 512.
-_PAIRS = 128
-# Query tokens of one sequence sharing each gathered block, and blocks per iteration then
+# Cached keys per part-A loop iteration (as blocks: 2048 // block_size). On a 2-core CPU
+# (SmolLM2-135M, 22-32 decode tokens with log-normal contexts) 128 blocks of 16 beat 64, 256
+# and 512 of 16, and 32 blocks of 64 beat 16 and 64 of 64.
+_PAIR_TOKENS = 2048
+# Query tokens of one sequence sharing each gathered block, and cached keys per iteration then
 # (16 and 32 blocks of 16 tokens did the same on a 512-token chunk after 512 cached).
 _GROUP = 32
-_GROUP_PAIRS = 128
+_GROUP_PAIR_TOKENS = 2048
 
 
 def gather_blocks(
@@ -248,10 +249,10 @@ def attend_reference(
     multi = valid & (same_prev | same_next)
     kw = dict(soft_cap=soft_cap, layer=layer)
     single = _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
-                           valid & ~multi, 1, _PAIRS, **kw)
+                           valid & ~multi, 1, max(1, _PAIR_TOKENS // block_size), **kw)
     leads = multi & ((q_pos - new_start) % _GROUP == 0)
     grouped = _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
-                            leads, _GROUP, _GROUP_PAIRS, **kw)
+                            leads, _GROUP, max(1, _GROUP_PAIR_TOKENS // block_size), **kw)
     m_a, l_a, acc_a = (jnp.where(multi.reshape(-1, *([1] * (x.ndim - 1))), y, x) for x, y in zip(single, grouped))
 
     m = jnp.maximum(m_a, m_b)

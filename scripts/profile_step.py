@@ -38,6 +38,7 @@ def main() -> None:
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args()
 
     from jaxserve.bench.datasets import lognormal_requests
@@ -49,7 +50,7 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        quantization=args.quantization))
+        quantization=args.quantization, block_size=args.block_size))
     requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
                                   args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
 
