@@ -66,7 +66,8 @@ class LLMEngine:
             model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
         if args.quantization:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
-            model = dataclasses.replace(model, params=quantize_params(model.params, model.config, args.quantization, ids))
+            params = quantize_params(model.params, model.config, args.quantization, ids)
+            model = dataclasses.replace(model, params=params)
         self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer

@@ -74,7 +74,8 @@ _HELP = {
     "max_request_body_bytes": "larger request bodies get a 413",
     "timeout_graceful_shutdown": "seconds in-flight requests may take after SIGTERM",
 }
-_CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "preemption_mode": PREEMPTION_MODES, "attention_backend": ATTENTION_BACKENDS,
+_CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "preemption_mode": PREEMPTION_MODES,
+            "attention_backend": ATTENTION_BACKENDS,
             "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace")}
 
 
