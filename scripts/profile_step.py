@@ -24,6 +24,8 @@ import time
 
 import jax
 
+from jaxserve.engine.args import QUANTIZATIONS, EngineArgs
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -37,12 +39,11 @@ def main() -> None:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantization", default=None, choices=["int8"])
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+    p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     args = p.parse_args()
 
     from jaxserve.bench.datasets import lognormal_requests
-    from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.engine import model_runner
