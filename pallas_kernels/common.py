@@ -16,15 +16,37 @@ import numpy as np
 # Finite "minus infinity": exp(_NEG - m) is 0 and (_NEG - _NEG) is not NaN.
 NEG_INF = -1e30
 
+# A bfloat16 pool on the XLA (CPU) path is stored as its uint16 bits: XLA:CPU widens a bfloat16
+# operand of a gather or scatter to float32 and back, the whole pool at every layer (5 s a step
+# here), and its bf16 -> f32 convert is slow; integer gathers and scatters are left alone.
+BF16_BITS = jnp.uint16
+
+
+def to_float32(x: jax.Array) -> jax.Array:
+    """Cache values as float32; BF16_BITS are widened by moving them into a float32's top half."""
+    if x.dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.uint32) << 16, jnp.float32)
+    return x.astype(jnp.float32)
+
+
+def to_storage(x: jax.Array, cache_dtype: jnp.dtype) -> jax.Array:
+    """New K/V rows in the pool's dtype (BF16_BITS: rounded to bfloat16, then its bits)."""
+    if cache_dtype == BF16_BITS:
+        return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), BF16_BITS)
+    return x.astype(cache_dtype)
+
 
 def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 def check_cache(
-    k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int | None
+    k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int | None, *, bits_ok: bool = False
 ) -> tuple[int, int, int, int]:
-    """Returns (num_kv_heads, num_blocks, block_size, head_dim) or raises ValueError."""
+    """Returns (num_kv_heads, num_blocks, block_size, head_dim) or raises ValueError.
+
+    bits_ok: the XLA references also take a BF16_BITS pool; the Pallas kernels do not.
+    """
     want = 4 if layer is None else 5
     if k_cache.ndim != want:
         what = "[num_kv_heads, num_blocks, block_size, head_dim]"
@@ -42,6 +64,10 @@ def check_cache(
         raise ValueError(
             f"k_cache and v_cache dtypes differ: {k_cache.dtype} vs {v_cache.dtype}"
         )
+    if not jnp.issubdtype(k_cache.dtype, jnp.floating) and not (bits_ok and k_cache.dtype == BF16_BITS):
+        hint = " (uint16 bfloat16 bits are the XLA path's layout: give the Pallas kernels bfloat16)"
+        raise ValueError(f"k_cache must be floating point; got {k_cache.dtype}"
+                         + (hint if k_cache.dtype == BF16_BITS else ""))
     if layer is not None:
         layer_arr = jnp.asarray(layer)
         if layer_arr.ndim != 0 or not jnp.issubdtype(layer_arr.dtype, jnp.integer):
@@ -60,7 +86,7 @@ def check_int_array(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
 
 
 def check_query(
-    q: jax.Array, num_kv_heads: int, head_dim: int, cache_dtype: jnp.dtype
+    q: jax.Array, num_kv_heads: int, head_dim: int
 ) -> tuple[int, int]:
     """Returns (num_rows, num_q_heads) of a [rows, num_q_heads, head_dim] query."""
     if q.ndim != 3:
@@ -77,8 +103,6 @@ def check_query(
         )
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point; got {q.dtype}")
-    if not jnp.issubdtype(cache_dtype, jnp.floating):
-        raise ValueError(f"k_cache must be floating point; got {cache_dtype}")
     return rows, num_q_heads
 
 

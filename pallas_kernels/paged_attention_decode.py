@@ -45,9 +45,9 @@ TUNING: dict[int, dict[str, int]] = {
 
 
 def _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap) -> None:
-    num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer)
-    num_seqs, _ = check_query(q, num_kv_heads, head_dim, k_cache.dtype)
+           sm_scale, sliding_window, soft_cap, *, bits_ok: bool = False) -> None:
+    num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
+    num_seqs, _ = check_query(q, num_kv_heads, head_dim)
     check_int_array("kv_lens", kv_lens, (num_seqs,))
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -73,7 +73,7 @@ def paged_attention_decode_reference(
 ) -> jax.Array:  # [S, Hq, D]
     """Pure-jnp decode attention: the query of row s sits at position kv_lens[s] - 1."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap)
+           sm_scale, sliding_window, soft_cap, bits_ok=True)
     q_pos = kv_lens.astype(jnp.int32) - 1  # [S]; -1 (sees nothing) when kv_len == 0
     seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     return attend_reference(

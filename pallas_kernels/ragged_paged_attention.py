@@ -65,7 +65,8 @@ def flash_block(q, k, v, q_pos, key_pos, kv_len, carry, *, sm_scale, sliding_win
                 soft_cap):
     """One online-softmax step of q [M, D] over one cache block k, v [BS, D]."""
     m, l, acc = carry  # [M], [M], [M, D] float32
-    s = cap_logits(dot_nt(q, k) * sm_scale, soft_cap)  # [M, BS]
+    # tl.dot takes operands of one dtype: q in the pool's (a float32 model over a bfloat16 pool).
+    s = cap_logits(dot_nt(q.astype(k.dtype), k) * sm_scale, soft_cap)  # [M, BS]
     mask = key_pos[None, :] <= q_pos[:, None]
     if sliding_window is not None:
         mask &= key_pos[None, :] > q_pos[:, None] - sliding_window
@@ -189,9 +190,9 @@ def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
 
 
 def _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap) -> None:
-    num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer)
-    check_query(q, num_kv_heads, head_dim, k_cache.dtype)
+           sm_scale, sliding_window, soft_cap, *, bits_ok: bool = False) -> None:
+    num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
+    check_query(q, num_kv_heads, head_dim)
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be 1-D [max_num_seqs]; got shape {kv_lens.shape}")
     max_num_seqs = kv_lens.shape[0]
@@ -223,7 +224,7 @@ def ragged_paged_attention_reference(
 ) -> jax.Array:  # [T, Hq, D]
     """Pure-jnp ragged paged attention (the CPU serving path); padding tokens get 0."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap)
+           sm_scale, sliding_window, soft_cap, bits_ok=True)
     n = num_seqs_scalar(num_seqs)
     seq_ids, q_pos = token_positions(cu_q_lens, kv_lens, n, q.shape[0])
     token_tables = block_tables.astype(jnp.int32)[seq_ids]  # [T, MB]

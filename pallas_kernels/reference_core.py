@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.common import NEG_INF, cap_logits, first_key
+from pallas_kernels.common import NEG_INF, cap_logits, first_key, to_float32
 
 # Packed query tokens per tile of part B (tile against tile).
 _TILE = 32
@@ -106,8 +106,8 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
         b = first[t] + p - (ends[t] - count[t])  # block index in the group's table
         blk = jnp.clip(jnp.take_along_axis(tables[t], jnp.clip(b, 0, max_blocks - 1)[:, None], 1)[:, 0],
                        0, num_blocks - 1)
-        k = gather_blocks(k_cache, blk, layer).astype(jnp.float32)  # [P, Hkv, BS, D]
-        v = gather_blocks(v_cache, blk, layer).astype(jnp.float32)
+        k = to_float32(gather_blocks(k_cache, blk, layer))  # [P, Hkv, BS, D]
+        v = to_float32(gather_blocks(v_cache, blk, layer))
         rows = jnp.minimum(t[:, None] + offsets, num_tokens - 1)  # [P, Qg] the group's tokens
         in_group = (t[:, None] + offsets < num_tokens) & (seq_ids[rows] == seq_ids[t][:, None])
         key_pos = b[:, None] * block_size + in_block  # [P, BS]
@@ -235,8 +235,8 @@ def attend_reference(
     own_block = jnp.clip(own_block, 0, k_cache.shape[-3] - 1)
     layer_idx = 0 if layer is None else jnp.asarray(layer, jnp.int32)
     k_pool, v_pool = (k_cache, v_cache) if layer is not None else (k_cache[None], v_cache[None])
-    k_new = k_pool[layer_idx, :, own_block, own % block_size].astype(jnp.float32)  # [T, Hkv, D]
-    v_new = v_pool[layer_idx, :, own_block, own % block_size].astype(jnp.float32)
+    k_new = to_float32(k_pool[layer_idx, :, own_block, own % block_size])  # [T, Hkv, D]
+    v_new = to_float32(v_pool[layer_idx, :, own_block, own % block_size])
     idx = jnp.arange(padded, dtype=jnp.int32)
     earliest = idx - (q_pos - jnp.maximum(lo, new_start))
     m_b, l_b, acc_b = _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap)

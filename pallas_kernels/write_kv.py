@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.common import check_cache, check_int_array, shape_class, triton_params
+from pallas_kernels.common import check_cache, check_int_array, shape_class, to_storage, triton_params
 
 # Tuning, keyed by head_dim class: the write is a pure copy of one [head_dim] row.
 TUNING: dict[int, dict[str, int]] = {
@@ -24,8 +24,8 @@ TUNING: dict[int, dict[str, int]] = {
 }
 
 
-def _check(k_cache, v_cache, k_new, v_new, slot_mapping, layer) -> None:
-    num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer)
+def _check(k_cache, v_cache, k_new, v_new, slot_mapping, layer, *, bits_ok: bool = False) -> None:
+    num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
     if k_new.ndim != 3 or k_new.shape[1:] != (num_kv_heads, head_dim):
         raise ValueError(
             f"k_new must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache; "
@@ -123,7 +123,7 @@ def write_kv_reference(
     layer: jax.Array | int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Pure-jnp write: one scatter per cache, in place when the caller donates."""
-    _check(k_cache, v_cache, k_new, v_new, slot_mapping, layer)
+    _check(k_cache, v_cache, k_new, v_new, slot_mapping, layer, bits_ok=True)
     _, num_blocks, block_size, _ = k_cache.shape[-4:]
     block, offset = _split_slots(slot_mapping, num_blocks, block_size)
     # All heads as a slice (a window dim of the scatter, updates [T, Hkv, D]) rather than an
@@ -133,6 +133,6 @@ def write_kv_reference(
         idx = (slice(None), block, offset)
     else:
         idx = (jnp.asarray(layer, jnp.int32), slice(None), block, offset)
-    k_cache = k_cache.at[idx].set(k_new.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[idx].set(v_new.astype(v_cache.dtype), mode="drop")
+    k_cache = k_cache.at[idx].set(to_storage(k_new, k_cache.dtype), mode="drop")
+    v_cache = v_cache.at[idx].set(to_storage(v_new, v_cache.dtype), mode="drop")
     return k_cache, v_cache

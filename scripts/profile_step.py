@@ -24,7 +24,7 @@ import time
 
 import jax
 
-from jaxserve.engine.args import QUANTIZATIONS, EngineArgs
+from jaxserve.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS, EngineArgs
 
 
 def main() -> None:
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    p.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     args = p.parse_args()
 
     from jaxserve.bench.datasets import lognormal_requests
@@ -51,7 +52,8 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        quantization=args.quantization, block_size=args.block_size))
+        quantization=args.quantization, block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype))
     requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
                                   args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
 

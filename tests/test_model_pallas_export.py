@@ -15,22 +15,27 @@ from jax import export
 from jaxserve.engine.batch import StepInput, pack
 from jaxserve.engine.scheduler_types import ScheduledRequest, SchedulerOutput
 from jaxserve.models import llama, quant
+from jaxserve.models.attention import kv_pool_dtype
 from jaxserve.models.config import ModelConfig
 
 CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=576, intermediate_size=256,
                   num_layers=2, num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2's attention shapes
 
 
-@pytest.mark.parametrize("dtype,quantization", [(jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, "int8")])
-def test_model_step_with_pallas_backend_lowers_for_cuda(dtype, quantization):
+@pytest.mark.parametrize("dtype,kv_cache_dtype,quantization", [
+    (jnp.bfloat16, "auto", None), (jnp.float32, "auto", None), (jnp.bfloat16, "auto", "int8"),
+    (jnp.float32, "bfloat16", "int8"),  # float32 queries against a bfloat16 pool
+])
+def test_model_step_with_pallas_backend_lowers_for_cuda(dtype, kv_cache_dtype, quantization):
     shapes = llama.param_shapes(CFG)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
     if quantization:  # the quantized layout (shapes only: nothing is computed)
         params = jax.eval_shape(lambda p: quant.quantize_params(p, CFG, quantization, np.arange(32, dtype=np.int32)),
                                 params)
     num_blocks, block_size, max_len = 64, 16, 256
-    kv = tuple(jax.ShapeDtypeStruct((CFG.num_layers, CFG.num_kv_heads, num_blocks, block_size, CFG.head_dim), dtype)
-               for _ in range(2))
+    kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, "pallas")  # bfloat16 itself, not its bits, on the GPU path
+    kv = tuple(jax.ShapeDtypeStruct((CFG.num_layers, CFG.num_kv_heads, num_blocks, block_size, CFG.head_dim),
+                                    kv_dtype) for _ in range(2))
     out = SchedulerOutput([ScheduledRequest("a", [1] * 20, 0, [3, 4], True),
                            ScheduledRequest("b", [2], 40, [5, 6, 7], True)], 21)
     batch, _ = pack(out, 32, 8, max_len // block_size, block_size)

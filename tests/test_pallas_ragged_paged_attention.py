@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import BF16_BITS
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, ragged_paged_attention_reference
 from pallas_kernels.testing import make_batch, numpy_attention, poison
 
@@ -93,6 +94,23 @@ def test_reference_bfloat16():
     assert rel_err(out, numpy_attention(b, sm_scale=0.125)) < 2e-2
 
 
+@pytest.mark.parametrize("value", [None, np.nan])
+def test_reference_reads_a_bfloat16_bits_pool(value):
+    # A uint16 pool holding bfloat16 bits (the CPU layout of a bfloat16 KV cache) reads exactly
+    # as a float32 pool holding the same bfloat16 values, unowned NaN blocks included.
+    b = batch("multi_tile", 16, 64, 3, 1, seed=6, max_num_seqs=8, pad_tokens=2)
+    b.k_cache, b.v_cache = (np.asarray(jnp.asarray(c, jnp.bfloat16).astype(jnp.float32)) for c in (b.k_cache, b.v_cache))
+    if value is not None:
+        b.k_cache, b.v_cache = poison(b.k_cache, b.owned, value), poison(b.v_cache, b.owned, value)
+    want = np.asarray(run(ragged_paged_attention_reference, b, sm_scale=0.125))
+    bits = lambda c: jax.lax.bitcast_convert_type(jnp.asarray(c, jnp.bfloat16), BF16_BITS)  # noqa: E731
+    got = ragged_paged_attention_reference(
+        jnp.asarray(b.q), bits(b.k_cache), bits(b.v_cache), jnp.asarray(b.kv_lens), jnp.asarray(b.block_tables),
+        jnp.asarray(b.cu_q_lens), jnp.int32(b.num_seqs), sm_scale=0.125)
+    assert np.all(np.isfinite(want))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("value", [np.nan, 1e30])
 def test_reference_ignores_unowned_blocks(value):
     b = batch("mixed", 8, 64, 3, 2, seed=3, max_num_seqs=6, pad_tokens=2)
@@ -148,6 +166,11 @@ def test_validation_errors(fn_name):
         fn(q, k, v[:, :-1], kv, bt, cu, n, sm_scale=0.1)
     with pytest.raises(ValueError, match="dtypes differ"):
         fn(q, k, v.astype(jnp.bfloat16), kv, bt, cu, n, sm_scale=0.1)
+    with pytest.raises(ValueError, match="floating point"):
+        fn(q, k.astype(jnp.int32), v.astype(jnp.int32), kv, bt, cu, n, sm_scale=0.1)
+    if fn_name == "ragged_paged_attention":  # bfloat16 bits are the XLA path's layout only
+        with pytest.raises(ValueError, match="give the Pallas kernels bfloat16"):
+            fn(q, k.astype(BF16_BITS), v.astype(BF16_BITS), kv, bt, cu, n, sm_scale=0.1)
     with pytest.raises(ValueError, match="cu_q_lens"):
         fn(q, k, v, kv, bt, cu[:-1], n, sm_scale=0.1)
     with pytest.raises(ValueError, match="kv_lens must be an integer"):
@@ -188,6 +211,18 @@ def test_kernel_matches_reference_and_numpy(case, block_size, head_dim, group, n
                                  jnp.float32), np.float64)
     assert rel_err(out, ref) < tol
     assert np.all(np.asarray(out, np.float32)[-2:] == 0)
+
+
+def test_kernel_float32_queries_over_a_bfloat16_pool():
+    # kv_cache_dtype="bfloat16" under a float32 model: the kernel and the reference agree.
+    b = batch("mixed", 8, 64, 3, 2, seed=8, max_num_seqs=6, pad_tokens=2)
+    args = (jnp.asarray(b.q), jnp.asarray(b.k_cache, jnp.bfloat16), jnp.asarray(b.v_cache, jnp.bfloat16),
+            jnp.asarray(b.kv_lens), jnp.asarray(b.block_tables), jnp.asarray(b.cu_q_lens), jnp.int32(b.num_seqs))
+    out = ragged_paged_attention(*args, sm_scale=0.125, interpret=True)
+    ref = ragged_paged_attention_reference(*args, sm_scale=0.125)
+    assert out.dtype == jnp.float32
+    assert rel_err(out, np.asarray(ref, np.float64)) < 2e-2
+    assert rel_err(out, numpy_attention(b, sm_scale=0.125)) < 2e-2
 
 
 @pytest.mark.parametrize("value", [np.nan, 1e30])

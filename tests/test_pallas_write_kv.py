@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.common import BF16_BITS, to_float32
 from pallas_kernels.write_kv import write_kv, write_kv_reference
 
 
@@ -41,6 +42,20 @@ def test_reference_matches_numpy(block_size, head_dim, num_kv_heads, dtype):
     ko, vo = write_kv_reference(*map(jnp.asarray, (k, v, kn, vn, slots)))
     np.testing.assert_array_equal(np.asarray(ko), numpy_write(k, kn, slots))
     np.testing.assert_array_equal(np.asarray(vo), numpy_write(v, vn, slots))
+
+
+def test_reference_writes_bfloat16_bits():
+    # A uint16 pool holds bfloat16 bits: float32 rows are rounded to bfloat16 and stored as bits.
+    k, v, kn, vn, slots = make(np.random.default_rng(3))
+    bits = lambda x: np.asarray(jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.bfloat16), BF16_BITS))  # noqa: E731
+    ko, vo = write_kv_reference(jnp.asarray(bits(k)), jnp.asarray(bits(v)), jnp.asarray(kn), jnp.asarray(vn),
+                                jnp.asarray(slots))
+    assert ko.dtype == BF16_BITS and vo.dtype == BF16_BITS
+    np.testing.assert_array_equal(np.asarray(ko), numpy_write(bits(k), bits(kn), slots))
+    np.testing.assert_array_equal(np.asarray(vo), numpy_write(bits(v), bits(vn), slots))
+    # Read back, the bits are exactly the bfloat16 rounding of the rows.
+    rounded = np.asarray(jnp.asarray(kn, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(to_float32(ko)), numpy_write(np.asarray(to_float32(bits(k))), rounded, slots))
 
 
 def test_reference_stacked_layers_match_4d():

@@ -34,7 +34,7 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_types import SchedulerConfig
 from jaxserve.engine.stats import EngineStats
-from jaxserve.models.attention import resolve_backend
+from jaxserve.models.attention import kv_pool_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model
 
@@ -78,15 +78,16 @@ class LLMEngine:
             cfg.max_position_embeddings, CPU_MAX_MODEL_LEN if jax.default_backend() == "cpu" else 1 << 30)
         max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
                                                      else self.max_model_len)
-        dtype = self.model.params["embed"].dtype
-        per_block = kv_bytes_per_block(cfg, args.block_size, dtype, mesh)
+        backend = resolve_backend(args.attention_backend)
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
+        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
         # What one device holds: its shard of each weight.
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
         min_blocks = -(-self.max_model_len // args.block_size)
-        backend = resolve_backend(args.attention_backend)
         runner_config = functools.partial(
             RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend)
+            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend,
+            kv_cache_dtype=args.kv_cache_dtype)
         self.activation_bytes = (activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1))
                                  if needs_profile(args) else 0)
         self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, self.activation_bytes, min_blocks)

@@ -37,7 +37,7 @@ from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
 from jaxserve.engine.scheduler_types import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models import llama
-from jaxserve.models.attention import make_kv_cache
+from jaxserve.models.attention import kv_pool_dtype, make_kv_cache
 from jaxserve.weights.loader import LoadedModel
 
 PROMPT_LOGPROB_ROWS = 64  # prompt positions per prompt-logprobs program call
@@ -109,10 +109,15 @@ class RunnerConfig:
     max_model_len: int
     backend: str = "reference"
     num_cpu_blocks: int = 0
+    kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
 
     @property
     def max_blocks_per_seq(self) -> int:
         return -(-self.max_model_len // self.block_size)
+
+    def kv_dtype(self, model_dtype) -> jnp.dtype:
+        """The KV pool's array dtype for a model of `model_dtype` (see attention.kv_pool_dtype)."""
+        return kv_pool_dtype(self.kv_cache_dtype, model_dtype, self.backend)
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ class ModelRunner:
     def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
         self.params = model.params  # already sharded over `mesh` when there is one
-        dtype = self.params["embed"].dtype  # the model's dtype (matmul weights may be int8)
+        dtype = rc.kv_dtype(self.params["embed"].dtype)  # from the model's (matmul weights may be int8)
         if mesh is None:
             self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
                                     self.cfg.head_dim, dtype)
@@ -344,7 +349,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     """Temporary device memory of the largest token bucket's step, from XLA's memory analysis of a
     compile against a one-request pool (the activation peak does not grow with the pool)."""
     cfg = model.config
-    dtype = model.params["embed"].dtype
+    dtype = rc.kv_dtype(model.params["embed"].dtype)
     blocks = rc.max_blocks_per_seq + 1
     kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, blocks, rc.block_size, cfg.head_dim), dtype)
                for _ in range(2))

@@ -20,7 +20,8 @@ from typing import Union
 
 import yaml
 
-from jaxserve.engine.args import ATTENTION_BACKENDS, DTYPES, PREEMPTION_MODES, QUANTIZATIONS, EngineArgs
+from jaxserve.engine.args import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
+                                  EngineArgs)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,7 @@ _HELP = {
     "max_num_batched_tokens": "token budget of one engine step",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
     "quantization": "int8: int8 weights and activations in every matmul (faster, not bit-exact)",
+    "kv_cache_dtype": "KV pool dtype; auto: the model's. bfloat16: half the bytes (not bit-exact)",
     "attention_backend": "auto: Pallas kernels on GPU, the XLA reference on CPU",
     "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",
     "compilation_cache_dir": "JAX persistent compilation cache directory",
@@ -74,7 +76,8 @@ _HELP = {
     "max_request_body_bytes": "larger request bodies get a 413",
     "timeout_graceful_shutdown": "seconds in-flight requests may take after SIGTERM",
 }
-_CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "preemption_mode": PREEMPTION_MODES,
+_CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
+            "preemption_mode": PREEMPTION_MODES,
             "attention_backend": ATTENTION_BACKENDS,
             "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace")}
 

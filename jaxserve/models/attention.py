@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.common import BF16_BITS
 
 BACKENDS = ("reference", "pallas")
 
@@ -45,6 +46,14 @@ def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, m
           else pallas_kernels.ragged_paged_attention_reference)
     return fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
               sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
+
+
+def kv_pool_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype, backend: str) -> jnp.dtype:
+    """The KV pool's array dtype. `auto` follows the model. A bfloat16 pool on the XLA reference
+    path holds its uint16 bits (BF16_BITS): XLA:CPU would widen a bfloat16 pool to float32 around
+    every gather and scatter; the reference attention widens what it gathers instead."""
+    dtype = jnp.dtype(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and backend == "reference" else dtype
 
 
 def make_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,
