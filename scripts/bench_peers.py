@@ -11,6 +11,11 @@ transformers serve). Example (the performance issue's run):
     .venv/bin/python scripts/bench_peers.py --peers jaxserve llamacpp \\
         --llama-server ~/llama.cpp/build/bin/llama-server --concurrency 16 32 --num-prompts 64
 
+On a shared machine whose speed drifts by 20-30% within minutes, one run per peer does
+not settle a ratio: `--repeat N` runs the peers in turn N times at each concurrency
+(concurrency by concurrency, peers interleaved) and adds the median of each round's
+ratio to the table.
+
 transformers serve rejects `ignore_eos`, so it is served from a copy of the HF
 directory whose generation_config has no eos token (it then also runs every
 request to its max_tokens); pass that directory as --hf-dir.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -78,8 +84,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
     raise SystemExit(f"server not ready after {timeout} s")
 
 
-def bench(peer: str, url: str, concurrency: int, args) -> dict:
-    name = f"{args.tag}{peer}_c{concurrency}.json"
+def bench(peer: str, url: str, concurrency: int, args, name: str) -> dict:
     cmd = [str(Path(PY).parent / "jaxserve"), "bench", "serve", "--base-url", url,
            "--endpoint", "/v1/completions", "--dataset-name", "lognormal", "--tokenizer", "default",
            "--random-input-len", "128", "--random-output-len", "128", "--lognormal-sigma", "0.7",
@@ -113,41 +118,63 @@ def main() -> None:
     p.add_argument("--result-dir", default=str(ROOT / "docs" / "perf"))
     p.add_argument("--tag", default="", help="prefix of the result files")
     p.add_argument("--port", type=int, default=8041)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every peer at each concurrency, interleaved; the table adds median ratios")
     args = p.parse_args()
     args.served_name = {"transformers": args.hf_dir or ""}
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
 
-    results: dict[tuple[str, int], dict] = {}
+    results: dict[tuple[str, int, int], dict] = {}
+    # One round: each peer at each concurrency, peer-major (as before --repeat). Several rounds:
+    # concurrency-major with the peers interleaved, so drift hits every peer alike.
+    if args.repeat == 1:
+        order = [(0, peer, c) for peer in args.peers for c in args.concurrency]
+    else:
+        order = [(r, peer, c) for c in args.concurrency for r in range(args.repeat) for peer in args.peers]
     # A fresh server for every run: llama-server keeps each slot's last prompt and reuses it
     # for a request sharing its prefix, so a second run of the same prompts would hit its cache.
-    for peer in args.peers:
-        for c in args.concurrency:
-            cmd = server_command(peer, args, args.port)
-            print("$", " ".join(cmd), flush=True)
-            log = open(Path(args.result_dir) / f"{args.tag}{peer}_c{c}_server.log", "w")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
-            url = f"http://127.0.0.1:{args.port}"
-            try:
-                ready = wait_ready(url, proc, 600)
-                print(f"{peer} ready in {ready:.0f} s", flush=True)
-                if peer == "llamacpp":
-                    args.served_name["llamacpp"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-                results[(peer, c)] = bench(peer, url, c, args)
-            finally:
-                stop_server(proc)
-                log.close()
+    for rnd, peer, c in order:
+        stem = f"{args.tag}{peer}_c{c}" + (f"_r{rnd}" if args.repeat > 1 else "")
+        cmd = server_command(peer, args, args.port)
+        print("$", " ".join(cmd), flush=True)
+        log = open(Path(args.result_dir) / f"{stem}_server.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        url = f"http://127.0.0.1:{args.port}"
+        try:
+            ready = wait_ready(url, proc, 600)
+            print(f"{peer} ready in {ready:.0f} s", flush=True)
+            if peer == "llamacpp":
+                args.served_name["llamacpp"] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            results[(peer, c, rnd)] = bench(peer, url, c, args, stem + ".json")
+        finally:
+            stop_server(proc)
+            log.close()
 
     print(f"\n| server | concurrency | completed | input tok | output tok | duration s | output tok/s | "
           f"total tok/s | TTFT median ms | TPOT median ms | ITL median ms | jaxserve output tok/s ratio |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (peer, c), r in results.items():
-        ratio = ", ".join(f"{j} {results[(j, c)]['output_throughput'] / r['output_throughput']:.2f}x"
-                          for j in JAXSERVE_PEERS if (j, c) in results and peer not in JAXSERVE_PEERS)
+    for (peer, c, rnd), r in results.items():
+        ratio = ", ".join(f"{j} {results[(j, c, rnd)]['output_throughput'] / r['output_throughput']:.2f}x"
+                          for j in JAXSERVE_PEERS if (j, c, rnd) in results and peer not in JAXSERVE_PEERS)
+        if args.repeat > 1:
+            peer = f"{peer} (round {rnd + 1})"
         print(f"| {peer} | {c} | {r['completed']}/{r['num_prompts']} | {r['total_input_tokens']} | "
               f"{r['total_output_tokens']} | {r['duration']:.1f} | {r['output_throughput']:.1f} | "
               f"{r['total_token_throughput']:.1f} | {r['median_ttft_ms']:.0f} | {r['median_tpot_ms']:.0f} | "
               f"{r['median_itl_ms']:.0f} | {ratio} |")
+    if args.repeat > 1:
+        print()
+        for c in args.concurrency:
+            for j in JAXSERVE_PEERS:
+                for peer in args.peers:
+                    if peer in JAXSERVE_PEERS:
+                        continue
+                    ratios = [results[(j, c, r)]["output_throughput"] / results[(peer, c, r)]["output_throughput"]
+                              for r in range(args.repeat) if (j, c, r) in results and (peer, c, r) in results]
+                    if ratios:
+                        print(f"concurrency {c}: {j} / {peer} output tok/s, median of {len(ratios)} rounds "
+                              f"{statistics.median(ratios):.2f}x (rounds: {', '.join(f'{x:.2f}x' for x in ratios)})")
 
 
 if __name__ == "__main__":
