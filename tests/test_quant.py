@@ -124,6 +124,7 @@ def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None
     engine = llm.llm_engine
     assert engine.model.params["layers"]["wqkv"]["q"].dtype == jnp.int8
     assert engine.runner.kv[0].dtype == jnp.uint16  # bfloat16 bits, the CPU layout
+    assert "tokens, bfloat16)" in engine.startup_report()  # the report names what the pool holds
     # Half the bytes a token: the same memory holds twice the tokens.
     assert abs(engine.num_gpu_blocks * 64 - 2 * ref.llm_engine.num_gpu_blocks * 16) <= 64
     top1, nll = _teacher_forced(llm)

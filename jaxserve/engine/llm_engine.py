@@ -34,7 +34,7 @@ from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_types import SchedulerConfig
 from jaxserve.engine.stats import EngineStats
-from jaxserve.models.attention import kv_pool_dtype, resolve_backend
+from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model
 
@@ -80,6 +80,7 @@ class LLMEngine:
                                                      else self.max_model_len)
         backend = resolve_backend(args.attention_backend)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
+        self.kv_cache_dtype = kv_values_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype).name
         per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
         # What one device holds: its shard of each weight.
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
@@ -260,7 +261,7 @@ class LLMEngine:
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
                 f"loaded in {self.load_seconds:.1f}s; KV pool: {self.num_gpu_blocks} blocks of "
-                f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens), max "
+                f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens, {self.kv_cache_dtype}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s")
 

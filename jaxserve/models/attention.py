@@ -48,11 +48,16 @@ def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, m
               sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
 
 
+def kv_values_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype K and V are kept in (EngineArgs.kv_cache_dtype; `auto` follows the model)."""
+    return jnp.dtype(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+
+
 def kv_pool_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype, backend: str) -> jnp.dtype:
-    """The KV pool's array dtype. `auto` follows the model. A bfloat16 pool on the XLA reference
-    path holds its uint16 bits (BF16_BITS): XLA:CPU would widen a bfloat16 pool to float32 around
-    every gather and scatter; the reference attention widens what it gathers instead."""
-    dtype = jnp.dtype(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
+    """The KV pool's array dtype. A bfloat16 pool on the XLA reference path holds its uint16 bits
+    (BF16_BITS): XLA:CPU would widen a bfloat16 pool to float32 around every gather and scatter;
+    the reference attention widens what it gathers instead."""
+    dtype = kv_values_dtype(kv_cache_dtype, model_dtype)
     return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and backend == "reference" else dtype
 
 
