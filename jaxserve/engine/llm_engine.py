@@ -80,7 +80,6 @@ class LLMEngine:
                                                      else self.max_model_len)
         backend = resolve_backend(args.attention_backend)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
-        self.kv_cache_dtype = kv_values_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype).name
         per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
         # What one device holds: its shard of each weight.
         weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
@@ -257,11 +256,12 @@ class LLMEngine:
 
     def startup_report(self) -> str:
         per_req = -(-self.max_model_len // self.args.block_size)
+        kv_values = kv_values_dtype(self.args.kv_cache_dtype, self.model.params["embed"].dtype).name
         sharding = ("" if self.mesh is None else
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
                 f"loaded in {self.load_seconds:.1f}s; KV pool: {self.num_gpu_blocks} blocks of "
-                f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens, {self.kv_cache_dtype}), max "
+                f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens, {kv_values}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s")
 
