@@ -143,47 +143,75 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
     return lax.fori_loop(0, trip, body, init)
 
 
+def _merge_pairs(carry, rows, s, mask, v, pv_spec: str):
+    """Fold per-pair partial softmaxes into the running (max, sum, acc) of `rows`.
+
+    s [P, Q, ..., K] scores of pair p's queries (rows[p]) against its keys; several pairs
+    may share a row: scatter max, then scatter add of each pair's terms rescaled to it.
+    """
+    m, l, acc = carry
+    s = jnp.where(mask, s, NEG_INF)
+    m_p = s.max(-1)
+    e = jnp.where(mask, jnp.exp(s - m_p[..., None]), 0.0)
+    l_p, acc_p = e.sum(-1), jnp.einsum(pv_spec, e, v)
+    m_new = m.at[rows].max(m_p)
+    scale = jnp.exp(m - m_new)
+    w = jnp.exp(m_p - m_new[rows])  # 0 where masked (m_p = NEG_INF) unless nothing seen yet
+    l = (l * scale).at[rows].add(w * l_p)
+    acc = (acc * scale[..., None]).at[rows].add(w[..., None] * acc_p)
+    return m_new, l, acc
+
+
 def _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap):
     """Part B: each token against this step's tokens of its sequence, tile against tile.
 
     qf [T, Hkv, G, D]; k_new, v_new [T, Hkv, D] (T a multiple of tile); earliest[t] is
     the packed index of the first key token t sees here. Returns m, l [T, Hkv, G] and
     acc [T, Hkv, G, D].
+
+    Every tile first meets itself (the diagonal: all a decode-only step needs). The
+    tile pairs below the diagonal that some query needs, tile i against tiles
+    earliest_i .. i-1, then run as a flat pair list, one tile count of pairs per loop
+    iteration: a 512-token prompt costs its 120 lower pairs, not the 240 of all
+    diagonals below the main one.
     """
     num_tokens, num_kv_heads, group, head_dim = qf.shape
     num_tiles = num_tokens // tile
-    idx = jnp.arange(num_tokens, dtype=jnp.int32)
-    trip = jnp.max(jnp.where(q_pos >= 0, idx // tile - earliest // tile + 1, 0))
-
-    def pad_front(x, fill):  # num_tiles tiles of `fill` in front, so tile i - j is tile i + num_tiles - j
-        pad = jnp.full((num_tokens, *x.shape[1:]), fill, x.dtype)
-        return jnp.concatenate([pad, x]).reshape(2 * num_tiles, tile, *x.shape[1:])
-
-    k_tiles, v_tiles = pad_front(k_new, 0.0), pad_front(v_new, 0.0)
-    pos_tiles, seq_tiles = pad_front(q_pos, -1), pad_front(seq_ids, -1)
+    valid = q_pos >= 0
+    k_tiles, v_tiles = (x.reshape(num_tiles, tile, num_kv_heads, head_dim) for x in (k_new, v_new))
+    pos_tiles, seq_tiles, lo_tiles = (x.reshape(num_tiles, tile) for x in (q_pos, seq_ids, lo))
     q_tiles = qf.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
-    qp, qs, ql = (x.reshape(num_tiles, tile, 1) for x in (q_pos, seq_ids, lo))
 
-    def body(carry):
-        j, m, l, acc = carry
-        take = lambda x: lax.dynamic_slice_in_dim(x, num_tiles - j, num_tiles, axis=0)  # noqa: E731
-        k, v, kpos, kseq = take(k_tiles), take(v_tiles), take(pos_tiles), take(seq_tiles)
-        mask = (kseq[:, None, :] == qs) & (kpos[:, None, :] <= qp) & (kpos[:, None, :] >= ql)
-        mask = mask & (kpos[:, None, :] >= 0) & (qp >= 0)  # [nT, Qt, Kt]
-        v = jnp.where((kpos >= 0)[..., None, None], v, 0.0)
-        s = cap_logits(jnp.einsum("iqhgd,ikhd->iqhgk", q_tiles, k), soft_cap)  # [nT, Qt, Hkv, G, Kt]
-        m, l, acc = _softmax_update((m, l, acc), s, mask[:, :, None, None, :], v, "iqhgk,ikhd->iqhgd")
-        return j + 1, m, l, acc
+    def scores(qi, ki):  # tile pairs (qi[p], ki[p]); None: all tiles in order (the diagonal)
+        at = lambda x, i: x if i is None else x[i]  # noqa: E731
+        kpos, qp = at(pos_tiles, ki)[:, None, :], at(pos_tiles, qi)[:, :, None]
+        mask = ((at(seq_tiles, ki)[:, None, :] == at(seq_tiles, qi)[:, :, None]) & (kpos <= qp)
+                & (kpos >= at(lo_tiles, qi)[:, :, None]) & (kpos >= 0) & (qp >= 0))  # [P, Qt, Kt]
+        v = jnp.where((at(pos_tiles, ki) >= 0)[..., None, None], at(v_tiles, ki), 0.0)
+        s = cap_logits(jnp.einsum("iqhgd,ikhd->iqhgk", at(q_tiles, qi), at(k_tiles, ki)), soft_cap)
+        return s, mask[:, :, None, None, :], v  # s [P, Qt, Hkv, G, Kt], v [P, Kt, Hkv, D]
 
-    init = (
-        jnp.int32(0),
-        jnp.full((num_tiles, tile, num_kv_heads, group), NEG_INF, jnp.float32),
-        jnp.zeros((num_tiles, tile, num_kv_heads, group), jnp.float32),
-        jnp.zeros((num_tiles, tile, num_kv_heads, group, head_dim), jnp.float32),
-    )
-    # The diagonal tile pair (j = 0) always runs, outside the loop: a decode-only step
-    # needs no other, and then pays for no loop at all.
-    _, m, l, acc = lax.while_loop(lambda c: c[0] < trip, body, body(init))
+    init = (jnp.full((num_tiles, tile, num_kv_heads, group), NEG_INF, jnp.float32),
+            jnp.zeros((num_tiles, tile, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tiles, tile, num_kv_heads, group, head_dim), jnp.float32))
+    s, mask, v = scores(None, None)
+    carry = _softmax_update(init, s, mask, v, "iqhgk,ikhd->iqhgd")
+
+    diag = jnp.arange(num_tiles, dtype=jnp.int32)
+    first = jnp.where(valid, earliest // tile, num_tokens).reshape(num_tiles, tile).min(1)
+    count = jnp.maximum(diag - first, 0)  # tiles below the diagonal that tile i needs
+    ends = jnp.cumsum(count)  # pair p belongs to the tile whose [ends - count, ends) holds p
+    total = ends[-1]
+
+    def body(j, carry):
+        p = j * num_tiles + diag
+        qi = jnp.minimum(jnp.searchsorted(ends, p, side="right"), num_tiles - 1).astype(jnp.int32)
+        ki = jnp.clip(first[qi] + p - (ends[qi] - count[qi]), 0, num_tiles - 1)
+        s, mask, v = scores(qi, ki)
+        mask = mask & (p < total)[:, None, None, None, None]
+        return _merge_pairs(carry, qi, s, mask, v, "iqhgk,ikhd->iqhgd")
+
+    m, l, acc = lax.fori_loop(0, (total + num_tiles - 1) // num_tiles, body, carry)
     flat = lambda x: x.reshape(num_tokens, *x.shape[2:])  # noqa: E731
     return flat(m), flat(l), flat(acc)
 

@@ -1,14 +1,16 @@
 """A/B of the CPU attention path inside the whole model step: a git revision against the work tree.
 
 Loads `pallas_kernels/reference_core.py` as it was at REV (through `git show`) next
-to the current one, jits the SmolLM2-135M-shaped model step (random weights,
-float32, 1 GiB paged pool) once with each, and times them interleaved in one
-process on five batches: 32 decode tokens at context 250, 22 decode tokens with
-log-normal contexts (median 300), a prefill of 4 x 128 fresh tokens, 28 decode
-tokens next to 2 x 128 prompt tokens, and the second 512-token chunk of a
-1024-token prompt. Medians of --reps calls each.
+to the current one, jits the SmolLM2-135M-shaped model step (random float32
+weights; a pool of 23296 tokens in blocks of --block-size, float32 or, with
+--kv-cache-dtype bfloat16, bfloat16 bits) once with each, and times them interleaved in one
+process on seven batches: 32 decode tokens at context 250, 22 decode tokens with
+log-normal contexts (median 300), prefills of 4 x 128 and 1 x 512 fresh tokens,
+28 decode tokens next to 2 x 128 or 1 x 484 prompt tokens, and the second
+512-token chunk of a 1024-token prompt. Medians of --reps calls each.
 
     .venv/bin/python scripts/ab_attention.py --rev 8ff7d07
+    .venv/bin/python scripts/ab_attention.py --rev HEAD --block-size 64 --kv-cache-dtype bfloat16
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.engine.args import KV_CACHE_DTYPES
 from jaxserve.models import attention, llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.attention import AttentionMetadata
@@ -94,24 +97,31 @@ def make_batch(rng, seqs, num_tokens):
 
 
 def main() -> None:
+    global NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rev", required=True, help="git revision for side A (side B: the work tree)")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block (the pool's token count is kept)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     args = p.parse_args()
+    NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS = (NUM_BLOCKS * BLOCK_SIZE // args.block_size, args.block_size,
+                                          MAX_BLOCKS * BLOCK_SIZE // args.block_size)
 
     rng = np.random.default_rng(0)
     shapes = llama.param_shapes(CFG)
     params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32) * 0.02, shapes,
                           is_leaf=lambda x: isinstance(x, tuple))
     kv = attention.make_kv_cache(CFG.num_layers, CFG.num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, CFG.head_dim,
-                                 jnp.float32)
+                                 attention.kv_pool_dtype(args.kv_cache_dtype, jnp.float32, "reference"))
     steps = {args.rev: make_step(attend_with(load_revision(args.rev))),
              "work tree": make_step(attend_with(reference_core))}
     ctx = np.clip(np.round(300 * np.exp(0.7 * rng.standard_normal(22))), 16, 1500).astype(int)
     cases = {"32 decode, context 250": ([(250, 1)] * 32, 32),
              "22 decode, log-normal contexts": ([(int(c), 1) for c in ctx], 32),
              "prefill 4 x 128": ([(0, 128)] * 4, 512),
+             "prefill 1 x 512": ([(0, 512)], 512),
              "28 decode + 2 x 128 prompt": ([(250, 1)] * 28 + [(0, 128)] * 2, 512),
+             "28 decode + 484 prompt": ([(250, 1)] * 28 + [(0, 484)], 512),
              "512-token chunk after 512 cached": ([(512, 512)], 512)}
     print(f"| batch | {args.rev} ms | work tree ms | ratio |\n|---|---:|---:|---:|")
     for name, (seqs, num_tokens) in cases.items():

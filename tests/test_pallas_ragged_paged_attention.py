@@ -20,6 +20,9 @@ CASES = {
     # over 32 tokens: several query tiles of the CPU path, sequences straddling tiles,
     # a prompt spanning two tiles, continuations with cached context, decode in between
     "multi_tile": [(1, 70), (45, 45), (1, 3), (30, 70), (1, 1), (40, 100), (1, 50)],
+    # a prompt over five tiles: tiles that need several tiles below them, in more than one
+    # iteration of part B's pair list, some sharing an iteration
+    "long_prompt": [(130, 130), (1, 9), (70, 100)],
 }
 
 # (case, block_size, head_dim, group, num_kv_heads): a covering sweep, not a product.
@@ -36,6 +39,7 @@ SWEEP = [
     ("prefill_only", 8, 64, 1, 2),
     ("multi_tile", 16, 64, 3, 1),
     ("multi_tile", 8, 64, 1, 2),
+    ("long_prompt", 16, 64, 3, 1),
 ]
 
 
@@ -77,10 +81,12 @@ def test_reference_window_and_soft_cap(window, cap):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("window,cap", [(20, None), (37, 3.0), (1, None)])
-def test_reference_multi_tile_window(window, cap):
-    # Windows cutting into the cached part (A), into this step's part (B), and both.
-    b = batch("multi_tile", 8, 64, 3, 1, seed=3, max_num_seqs=8, pad_tokens=5)
+@pytest.mark.parametrize("case,window,cap", [("multi_tile", 20, None), ("multi_tile", 37, 3.0),
+                                             ("multi_tile", 1, None), ("long_prompt", 50, None)])
+def test_reference_multi_tile_window(case, window, cap):
+    # Windows cutting into the cached part (A), into this step's part (B), and both; a window
+    # of 50 over a 130-token prompt skips tile pairs far below the diagonal.
+    b = batch(case, 8, 64, 3, 1, seed=3, max_num_seqs=8, pad_tokens=5)
     out = run(ragged_paged_attention_reference, b, sm_scale=0.3, sliding_window=window, soft_cap=cap)
     ref = numpy_attention(b, sm_scale=0.3, sliding_window=window, soft_cap=cap)
     assert rel_err(out, ref) < 1e-5
