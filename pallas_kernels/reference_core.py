@@ -29,6 +29,8 @@ whole prompt again. The new tokens' K/V must already be in the pool
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -47,16 +49,37 @@ _GROUP = 32
 _GROUP_PAIR_TOKENS = 2048
 
 
+def _gather(cache: jax.Array, layer: jax.Array | int | None, ids: tuple[jax.Array, ...]) -> jax.Array:
+    """cache[(layer,) :, *ids] with the head axis first: [heads, *ids[0].shape, rest].
+
+    ids index the axes after the heads (blocks, then optionally a row in the block). One
+    gather, layer included; heads are a whole-slice offset dimension, so with the pool
+    sharded on heads each device gathers its own.
+    """
+    if layer is None:
+        cache = cache[None]
+    shape, n = ids[0].shape, len(ids)
+    start = jnp.stack([jnp.broadcast_to(jnp.asarray(0 if layer is None else layer, jnp.int32), shape),
+                       *(i.astype(jnp.int32) for i in ids)], -1)
+    rest = cache.shape[2 + n:]
+    dims = lax.GatherDimensionNumbers(
+        offset_dims=(0, *range(len(shape) + 1, len(shape) + 1 + len(rest))),
+        collapsed_slice_dims=(0, *range(2, 2 + n)), start_index_map=(0, *range(2, 2 + n)))
+    return lax.gather(cache, start, dims, (1, cache.shape[1], *([1] * n), *rest),
+                      mode=lax.GatherScatterMode.CLIP)
+
+
 def gather_blocks(
     cache: jax.Array, block_ids: jax.Array, layer: jax.Array | int | None
 ) -> jax.Array:
-    """cache[(layer,) :, block_ids] laid out [*block_ids.shape, heads, block_size, dim]."""
-    # Heads as a whole slice (not indexed by an arange) keep the head axis a pass-through
-    # dimension of the gather: with the pool sharded on heads, each device gathers its own.
-    # Advanced indices split by a slice put their dims first: [*block_ids.shape, heads, BS, D].
-    if layer is None:
-        cache, layer = cache[None], 0
-    return cache[jnp.asarray(layer, jnp.int32), :, block_ids]
+    """cache[(layer,) :, block_ids] laid out [heads, *block_ids.shape, block_size, dim].
+
+    Heads lead, as in every array of this module: each einsum then has its batch axes
+    (heads, pairs) in front of both operands and of its result, a plain batched matmul
+    for XLA:CPU. With the heads inside [pairs, queries, heads, ...], XLA transposed
+    around every dot (a grouped part-A iteration's dots and softmax took twice as long).
+    """
+    return _gather(cache, layer, (block_ids,))
 
 
 def _softmax_update(carry, s, mask, v, pv_spec: str):
@@ -71,7 +94,31 @@ def _softmax_update(carry, s, mask, v, pv_spec: str):
     return m_new, l, acc
 
 
-def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, leads, group, pairs, *,
+def _merge_pairs(carry, rows, m_p, l_p, acc_p, *, rows_sorted: bool = False):
+    """Fold partial softmaxes (max, sum, acc) into the running ones at rows of axis 1.
+
+    carry: m, l [H, R, ...], acc [H, R, ..., D]; rows [N]; m_p, l_p [H, N, ...] and
+    acc_p [H, N, ..., D], each scaled to its own max m_p. Several partials may share a
+    row: scatter max, then scatter add of each partial rescaled to the new max.
+    """
+    m, l, acc = carry
+    m_new = m.at[:, rows].max(m_p, indices_are_sorted=rows_sorted)
+    scale = jnp.exp(m - m_new)
+    w = jnp.exp(m_p - m_new[:, rows])  # 0 where masked (m_p = NEG_INF) unless nothing seen yet
+    l = (l * scale).at[:, rows].add(w * l_p, indices_are_sorted=rows_sorted)
+    acc = (acc * scale[..., None]).at[:, rows].add(w[..., None] * acc_p, indices_are_sorted=rows_sorted)
+    return m_new, l, acc
+
+
+def _partials(s, mask, v, pv):
+    """A pair's own softmax: s [..., K] scores -> max, sum, and `pv(weights, v)`."""
+    s = jnp.where(mask, s, NEG_INF)
+    m_p = s.max(-1)
+    e = jnp.where(mask, jnp.exp(s - m_p[..., None]), 0.0)
+    return m_p, e.sum(-1), pv(e, v)
+
+
+def _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, leads, group, pairs, *,
                   soft_cap, layer):
     """Part A as a flat list of (query group, block) pairs, `pairs` blocks per loop iteration.
 
@@ -83,8 +130,9 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
     large iterations. Each iteration scores its blocks, reduces them per block (max,
     sum, weighted values) and folds those into the tokens' running softmax with
     scatter max / add. Tokens outside every group get nothing (max NEG_INF, sum 0).
+    qh is [Hkv, T, G, D]; returns m, l [Hkv, T, G] and acc [Hkv, T, G, D].
     """
-    num_tokens, num_kv_heads, heads_per_kv, head_dim = qf.shape
+    num_kv_heads, num_tokens, heads_per_kv, head_dim = qh.shape
     num_blocks, block_size = k_cache.shape[-3], k_cache.shape[-2]
     max_blocks = tables.shape[1]
     # A group's first token has its smallest first key (a window only moves forward).
@@ -99,14 +147,13 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
     offsets = jnp.arange(group, dtype=jnp.int32)
 
     def body(j, carry):
-        m, l, acc = carry
         p = j * pairs + jnp.arange(pairs, dtype=jnp.int32)
         live = p < total
         t = jnp.minimum(jnp.searchsorted(ends, p, side="right"), num_tokens - 1).astype(jnp.int32)
         b = first[t] + p - (ends[t] - count[t])  # block index in the group's table
         blk = jnp.clip(jnp.take_along_axis(tables[t], jnp.clip(b, 0, max_blocks - 1)[:, None], 1)[:, 0],
                        0, num_blocks - 1)
-        k = to_float32(gather_blocks(k_cache, blk, layer))  # [P, Hkv, BS, D]
+        k = to_float32(gather_blocks(k_cache, blk, layer))  # [Hkv, P, BS, D]
         v = to_float32(gather_blocks(v_cache, blk, layer))
         rows = jnp.minimum(t[:, None] + offsets, num_tokens - 1)  # [P, Qg] the group's tokens
         in_group = (t[:, None] + offsets < num_tokens) & (seq_ids[rows] == seq_ids[t][:, None])
@@ -114,60 +161,30 @@ def _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
         key_ok = live[:, None] & (key_pos < new_start[t][:, None])  # [P, BS]
         mask = (key_ok[:, None, :] & in_group[:, :, None] & (q_pos[rows] >= 0)[:, :, None]
                 & (key_pos[:, None, :] >= lo[rows][:, :, None]))  # [P, Qg, BS]
-        v = jnp.where(key_ok[:, None, :, None], v, 0.0)  # a freed block may hold NaN/inf
-        q = qf[rows]  # [P, Qg, Hkv, G, D]
+        v = jnp.where(key_ok[None, :, :, None], v, 0.0)  # a freed block may hold NaN/inf
+        q = qh[:, rows]  # [Hkv, P, Qg, G, D]
         if group == 1:  # one query per block: a fused multiply-reduce beats P x Hkv tiny dots
-            s = (q[:, 0, :, :, None, :] * k[:, :, None, :, :]).sum(-1)[:, None]
+            s = (q[:, :, 0, :, None, :] * k[:, :, None, :, :]).sum(-1)[:, :, None]
+            pv = lambda e, v: (e[:, :, 0, ..., None] * v[:, :, None, :, :]).sum(-2)[:, :, None]  # noqa: E731
         else:
-            s = jnp.einsum("pqhgd,phkd->pqhgk", q, k)  # [P, Qg, Hkv, G, BS]
-        s = jnp.where(mask[:, :, None, None, :], cap_logits(s, soft_cap), NEG_INF)
-        m_p = s.max(-1)  # [P, Qg, Hkv, G]
-        e = jnp.where(mask[:, :, None, None, :], jnp.exp(s - m_p[..., None]), 0.0)
-        l_p = e.sum(-1)
-        if group == 1:
-            acc_p = (e[:, 0, ..., None] * v[:, :, None, :, :]).sum(-2)[:, None]  # [P, 1, Hkv, G, D]
-        else:
-            acc_p = jnp.einsum("pqhgk,phkd->pqhgd", e, v)
-        r = rows.reshape(-1)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])  # noqa: E731
-        m_new = m.at[r].max(flat(m_p), indices_are_sorted=group == 1)
-        scale = jnp.exp(m - m_new)
-        w = jnp.exp(flat(m_p) - m_new[r])  # 0 where masked (m_p = NEG_INF) unless nothing seen yet
-        l = (l * scale).at[r].add(w * flat(l_p), indices_are_sorted=group == 1)
-        acc = (acc * scale[..., None]).at[r].add(w[..., None] * flat(acc_p), indices_are_sorted=group == 1)
-        return m_new, l, acc
+            s = jnp.einsum("hpqgd,hpkd->hpqgk", q, k)  # [Hkv, P, Qg, G, BS]
+            pv = functools.partial(jnp.einsum, "hpqgk,hpkd->hpqgd")
+        m_p, l_p, acc_p = _partials(cap_logits(s, soft_cap), mask[None, :, :, None, :], v, pv)
+        flat = lambda x: x.reshape(num_kv_heads, -1, *x.shape[3:])  # noqa: E731
+        return _merge_pairs(carry, rows.reshape(-1), flat(m_p), flat(l_p), flat(acc_p), rows_sorted=group == 1)
 
-    init = (jnp.full((num_tokens, num_kv_heads, heads_per_kv), NEG_INF, jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, heads_per_kv), jnp.float32),
-            jnp.zeros((num_tokens, num_kv_heads, heads_per_kv, head_dim), jnp.float32))
+    init = (jnp.full((num_kv_heads, num_tokens, heads_per_kv), NEG_INF, jnp.float32),
+            jnp.zeros((num_kv_heads, num_tokens, heads_per_kv), jnp.float32),
+            jnp.zeros((num_kv_heads, num_tokens, heads_per_kv, head_dim), jnp.float32))
     return lax.fori_loop(0, trip, body, init)
 
 
-def _merge_pairs(carry, rows, s, mask, v, pv_spec: str):
-    """Fold per-pair partial softmaxes into the running (max, sum, acc) of `rows`.
-
-    s [P, Q, ..., K] scores of pair p's queries (rows[p]) against its keys; several pairs
-    may share a row: scatter max, then scatter add of each pair's terms rescaled to it.
-    """
-    m, l, acc = carry
-    s = jnp.where(mask, s, NEG_INF)
-    m_p = s.max(-1)
-    e = jnp.where(mask, jnp.exp(s - m_p[..., None]), 0.0)
-    l_p, acc_p = e.sum(-1), jnp.einsum(pv_spec, e, v)
-    m_new = m.at[rows].max(m_p)
-    scale = jnp.exp(m - m_new)
-    w = jnp.exp(m_p - m_new[rows])  # 0 where masked (m_p = NEG_INF) unless nothing seen yet
-    l = (l * scale).at[rows].add(w * l_p)
-    acc = (acc * scale[..., None]).at[rows].add(w[..., None] * acc_p)
-    return m_new, l, acc
-
-
-def _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap):
+def _new_part(qh, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap):
     """Part B: each token against this step's tokens of its sequence, tile against tile.
 
-    qf [T, Hkv, G, D]; k_new, v_new [T, Hkv, D] (T a multiple of tile); earliest[t] is
-    the packed index of the first key token t sees here. Returns m, l [T, Hkv, G] and
-    acc [T, Hkv, G, D].
+    qh [Hkv, T, G, D]; k_new, v_new [Hkv, T, D] (T a multiple of tile); earliest[t] is
+    the packed index of the first key token t sees here. Returns m, l [Hkv, T, G] and
+    acc [Hkv, T, G, D].
 
     Every tile first meets itself (the diagonal: all a decode-only step needs). The
     tile pairs below the diagonal that some query needs, tile i against tiles
@@ -175,27 +192,29 @@ def _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap)
     iteration: a 512-token prompt costs its 120 lower pairs, not the 240 of all
     diagonals below the main one.
     """
-    num_tokens, num_kv_heads, group, head_dim = qf.shape
+    num_kv_heads, num_tokens, group, head_dim = qh.shape
     num_tiles = num_tokens // tile
     valid = q_pos >= 0
-    k_tiles, v_tiles = (x.reshape(num_tiles, tile, num_kv_heads, head_dim) for x in (k_new, v_new))
+    k_tiles, v_tiles = (x.reshape(num_kv_heads, num_tiles, tile, head_dim) for x in (k_new, v_new))
     pos_tiles, seq_tiles, lo_tiles = (x.reshape(num_tiles, tile) for x in (q_pos, seq_ids, lo))
-    q_tiles = qf.reshape(num_tiles, tile, num_kv_heads, group, head_dim)
+    q_tiles = qh.reshape(num_kv_heads, num_tiles, tile, group, head_dim)
+    pv = functools.partial(jnp.einsum, "hiqgk,hikd->hiqgd")
 
     def scores(qi, ki):  # tile pairs (qi[p], ki[p]); None: all tiles in order (the diagonal)
         at = lambda x, i: x if i is None else x[i]  # noqa: E731
+        at_h = lambda x, i: x if i is None else x[:, i]  # noqa: E731
         kpos, qp = at(pos_tiles, ki)[:, None, :], at(pos_tiles, qi)[:, :, None]
         mask = ((at(seq_tiles, ki)[:, None, :] == at(seq_tiles, qi)[:, :, None]) & (kpos <= qp)
                 & (kpos >= at(lo_tiles, qi)[:, :, None]) & (kpos >= 0) & (qp >= 0))  # [P, Qt, Kt]
-        v = jnp.where((at(pos_tiles, ki) >= 0)[..., None, None], at(v_tiles, ki), 0.0)
-        s = cap_logits(jnp.einsum("iqhgd,ikhd->iqhgk", at(q_tiles, qi), at(k_tiles, ki)), soft_cap)
-        return s, mask[:, :, None, None, :], v  # s [P, Qt, Hkv, G, Kt], v [P, Kt, Hkv, D]
+        v = jnp.where((at(pos_tiles, ki) >= 0)[None, :, :, None], at_h(v_tiles, ki), 0.0)
+        s = cap_logits(jnp.einsum("hiqgd,hikd->hiqgk", at_h(q_tiles, qi), at_h(k_tiles, ki)), soft_cap)
+        return s, mask[None, :, :, None, :], v  # s [Hkv, P, Qt, G, Kt], v [Hkv, P, Kt, D]
 
-    init = (jnp.full((num_tiles, tile, num_kv_heads, group), NEG_INF, jnp.float32),
-            jnp.zeros((num_tiles, tile, num_kv_heads, group), jnp.float32),
-            jnp.zeros((num_tiles, tile, num_kv_heads, group, head_dim), jnp.float32))
+    init = (jnp.full((num_kv_heads, num_tiles, tile, group), NEG_INF, jnp.float32),
+            jnp.zeros((num_kv_heads, num_tiles, tile, group), jnp.float32),
+            jnp.zeros((num_kv_heads, num_tiles, tile, group, head_dim), jnp.float32))
     s, mask, v = scores(None, None)
-    carry = _softmax_update(init, s, mask, v, "iqhgk,ikhd->iqhgd")
+    carry = _softmax_update(init, s, mask, v, "hiqgk,hikd->hiqgd")
 
     diag = jnp.arange(num_tiles, dtype=jnp.int32)
     first = jnp.where(valid, earliest // tile, num_tokens).reshape(num_tiles, tile).min(1)
@@ -208,11 +227,11 @@ def _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap)
         qi = jnp.minimum(jnp.searchsorted(ends, p, side="right"), num_tiles - 1).astype(jnp.int32)
         ki = jnp.clip(first[qi] + p - (ends[qi] - count[qi]), 0, num_tiles - 1)
         s, mask, v = scores(qi, ki)
-        mask = mask & (p < total)[:, None, None, None, None]
-        return _merge_pairs(carry, qi, s, mask, v, "iqhgk,ikhd->iqhgd")
+        mask = mask & (p < total)[None, :, None, None, None]
+        return _merge_pairs(carry, qi, *_partials(s, mask, v, pv))
 
     m, l, acc = lax.fori_loop(0, (total + num_tiles - 1) // num_tiles, body, carry)
-    flat = lambda x: x.reshape(num_tokens, *x.shape[2:])  # noqa: E731
+    flat = lambda x: x.reshape(num_kv_heads, num_tokens, *x.shape[3:])  # noqa: E731
     return flat(m), flat(l), flat(acc)
 
 
@@ -255,19 +274,18 @@ def attend_reference(
     new_start = jnp.where(valid, jnp.minimum(pad(new_start.astype(jnp.int32), 0), q_pos), 0)
     tables = pad(token_tables.astype(jnp.int32), 0)
     lo = first_key(q_pos, sliding_window)
-    qf = pad(q.astype(jnp.float32), 0.0).reshape(padded, num_kv_heads, group, head_dim) * sm_scale
+    qh = (pad(q.astype(jnp.float32), 0.0).reshape(padded, num_kv_heads, group, head_dim) * sm_scale
+          ).transpose(1, 0, 2, 3)  # [Hkv, T, G, D]: heads lead (see gather_blocks)
 
     # Part B's keys: each token's own K/V row, read back from the pool by its slot.
     own = jnp.maximum(q_pos, 0)
     own_block = jnp.take_along_axis(tables, jnp.minimum(own // block_size, max_blocks - 1)[:, None], 1)[:, 0]
     own_block = jnp.clip(own_block, 0, k_cache.shape[-3] - 1)
-    layer_idx = 0 if layer is None else jnp.asarray(layer, jnp.int32)
-    k_pool, v_pool = (k_cache, v_cache) if layer is not None else (k_cache[None], v_cache[None])
-    k_new = to_float32(k_pool[layer_idx, :, own_block, own % block_size])  # [T, Hkv, D]
-    v_new = to_float32(v_pool[layer_idx, :, own_block, own % block_size])
+    k_new = to_float32(_gather(k_cache, layer, (own_block, own % block_size)))  # [Hkv, T, D]
+    v_new = to_float32(_gather(v_cache, layer, (own_block, own % block_size)))
     idx = jnp.arange(padded, dtype=jnp.int32)
     earliest = idx - (q_pos - jnp.maximum(lo, new_start))
-    m_b, l_b, acc_b = _new_part(qf, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap)
+    m_b, l_b, acc_b = _new_part(qh, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap)
 
     # Part A: a decode token (the only new token of its sequence) gathers its own blocks;
     # several new tokens of one sequence (a prompt chunk after cached context, a prefix-cache
@@ -276,17 +294,18 @@ def attend_reference(
     same_next = jnp.concatenate([seq_ids[:-1] == seq_ids[1:], jnp.zeros(1, bool)])
     multi = valid & (same_prev | same_next)
     kw = dict(soft_cap=soft_cap, layer=layer)
-    single = _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
+    single = _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
                            valid & ~multi, 1, max(1, _PAIR_TOKENS // block_size), **kw)
     leads = multi & ((q_pos - new_start) % _GROUP == 0)
-    grouped = _cached_pairs(qf, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
+    grouped = _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
                             leads, _GROUP, max(1, _GROUP_PAIR_TOKENS // block_size), **kw)
-    m_a, l_a, acc_a = (jnp.where(multi.reshape(-1, *([1] * (x.ndim - 1))), y, x) for x, y in zip(single, grouped))
+    m_a, l_a, acc_a = (jnp.where(multi.reshape(1, -1, *([1] * (x.ndim - 2))), y, x)
+                       for x, y in zip(single, grouped))
 
     m = jnp.maximum(m_a, m_b)
     alpha_a, alpha_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
     l = l_a * alpha_a + l_b * alpha_b
     acc = acc_a * alpha_a[..., None] + acc_b * alpha_b[..., None]
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
+    return out.transpose(1, 0, 2, 3).reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
 

@@ -103,6 +103,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block (the pool's token count is kept)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--only", default="", help="run the batches whose name contains this text")
     args = p.parse_args()
     NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS = (NUM_BLOCKS * BLOCK_SIZE // args.block_size, args.block_size,
                                           MAX_BLOCKS * BLOCK_SIZE // args.block_size)
@@ -125,6 +126,8 @@ def main() -> None:
              "512-token chunk after 512 cached": ([(512, 512)], 512)}
     print(f"| batch | {args.rev} ms | work tree ms | ratio |\n|---|---:|---:|---:|")
     for name, (seqs, num_tokens) in cases.items():
+        if args.only not in name:
+            continue
         batch = make_batch(rng, seqs, num_tokens)
         times = {k: [] for k in steps}
         for rep in range(args.reps + 1):
