@@ -58,8 +58,9 @@ def test_greedy_rows_in_a_sampled_batch_stay_argmax():
 
 def test_logprobs_ranks_and_top_logprobs_match_numpy():
     logits = _logits(8, VOCAB, seed=3)
-    rows = [_row(SamplingParams(temperature=1.0, logit_bias={7: 5.0}, presence_penalty=0.5),
-                 seed=i, output=[7, 8]) for i in range(8)]
+    # One row asks for top logprobs: the top-N is computed for every row.
+    rows = [_row(SamplingParams(temperature=1.0, logit_bias={7: 5.0}, presence_penalty=0.5,
+                                logprobs=5 if i == 3 else None), seed=i, output=[7, 8]) for i in range(8)]
     out = _run(logits, rows)
     ref = _log_softmax(logits)  # raw: before bias, penalties and temperature
     idx = np.arange(8)
@@ -69,6 +70,15 @@ def test_logprobs_ranks_and_top_logprobs_match_numpy():
     order = np.argsort(-logits, axis=-1, kind="stable")[:, :MAX_LOGPROBS]
     np.testing.assert_array_equal(out.top_ids, order)
     np.testing.assert_allclose(out.top_logprobs, np.take_along_axis(ref, order, -1), atol=1e-5)
+
+
+def test_top_logprobs_skipped_when_no_row_asks():
+    logits = _logits(8, VOCAB, seed=4)
+    out = _run(logits, [_row(SamplingParams(temperature=0.0)) for _ in range(8)])
+    np.testing.assert_array_equal(out.token_ids, logits.argmax(-1))
+    np.testing.assert_allclose(out.logprobs, _log_softmax(logits).max(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out.ranks, 1)
+    assert not out.top_ids.any() and np.all(out.top_logprobs == -np.inf)  # not computed
 
 
 def _top_filter_reference(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> np.ndarray:

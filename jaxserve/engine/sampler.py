@@ -56,7 +56,7 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     if not md.all_greedy:
         sampled = _random_sample(processed, md)
         token_ids = jnp.where(md.temperature < _GREEDY_EPS, token_ids, sampled)
-    return compute_logprobs(logits, token_ids)
+    return compute_logprobs(logits, token_ids, want_top=jnp.any(md.num_logprobs > 0))
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -195,14 +195,23 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return argmax(scaled + gumbel)
 
 
-def compute_logprobs(logits: jax.Array, token_ids: jax.Array) -> SamplerOutput:
+def compute_logprobs(logits: jax.Array, token_ids: jax.Array, want_top: jax.Array | None = None) -> SamplerOutput:
     """Logprob, rank and top-N of the sampled tokens, all from the raw logits.
 
     Works on logits and subtracts the normaliser, so no [S, V] log-softmax is materialised.
     The max comes from jnp.max, not top_logits[:, :1]: feeding top_k's output back into
     an [S, V] reduction makes XLA:CPU replace top_k by a full sort (50x slower).
+    `want_top` (a bool scalar): when false, the top-N is token 0 at -inf and costs nothing; on
+    XLA:CPU the top-20 over V=49152 is 3.6 ms of a 32-row sampler's 4.7 ms.
     """
-    top_logits, top_ids = jax.lax.top_k(logits, MAX_LOGPROBS)  # [S, N], best first
+    def top(x):
+        return tuple(jax.lax.top_k(x, MAX_LOGPROBS))  # [S, N], best first
+
+    def no_top(x):  # token 0 at -inf: nothing
+        shape = (x.shape[0], MAX_LOGPROBS)
+        return jnp.full(shape, -jnp.inf, x.dtype), jnp.zeros(shape, jnp.int32)
+
+    top_logits, top_ids = top(logits) if want_top is None else jax.lax.cond(want_top, top, no_top, logits)
     row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
     lse = row_max + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
     token_logits = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # [S, 1]

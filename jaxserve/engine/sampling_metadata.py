@@ -80,6 +80,9 @@ class SamplingMetadata:
     suppress_ids: jax.Array  # [S, MAX_SUPPRESS_IDS] i32, -1 padded
     bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] i32, -1 padded
     bias_values: jax.Array  # [S, MAX_LOGIT_BIAS] f32, 0 padded
+    # [S] i32, top logprobs the row returns (SamplingParams.logprobs, 0 when None). The sampler
+    # runs its top-N only when some row asks (a lax.cond: no extra program).
+    num_logprobs: jax.Array
     all_greedy: bool = field(default=False, metadata=_static())
     use_penalties: bool = field(default=False, metadata=_static())
     use_top_filters: bool = field(default=False, metadata=_static())
@@ -127,6 +130,7 @@ class SamplingMetadata:
             suppress_ids=np.full((s, MAX_SUPPRESS_IDS), _PAD_ID, np.int32),
             bias_ids=np.full((s, MAX_LOGIT_BIAS), _PAD_ID, np.int32),
             bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32),
+            num_logprobs=np.zeros((s,), np.int32),
             all_greedy=all_greedy, use_penalties=use_penalties,
             use_top_filters=use_top_filters and not all_greedy)
 
@@ -153,6 +157,7 @@ def _fill_row(md: SamplingMetadata, i: int, r: RowInfo, max_model_len: int) -> N
         md.min_p[i] = p.min_p
     md.seeds[i] = r.seed & 0xFFFFFFFF
     md.steps[i] = r.step
+    md.num_logprobs[i] = p.logprobs or 0
     if p.needs_penalties:
         md.presence_penalty[i] = p.presence_penalty
         md.frequency_penalty[i] = p.frequency_penalty
