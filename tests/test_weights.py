@@ -215,11 +215,55 @@ def test_tiny_gguf_params_load(tmp_path):
     from jaxserve.weights import gguf_file
 
     f = write_tiny_gguf(tmp_path / "tiny.gguf")
-    reader = gguf_file.open_gguf(f)
-    cfg = gguf_file.read_config(reader, f)
-    params = gguf_file.load_gguf(reader, f, cfg, jnp.float32, progress=False)
+    header, reader = gguf_file.read_header(f)
+    assert reader is not None  # a first load parses the file
+    params = gguf_file.load_gguf(header, f, jnp.float32, progress=False)
     assert params["layers"]["wk"].shape == (LAYERS, HIDDEN, KV_HEADS * HEAD_DIM)
-    assert cfg.tie_word_embeddings and "lm_head" not in params  # no output.weight: tied embeddings
+    assert header.config.tie_word_embeddings and "lm_head" not in params  # no output.weight: tied embeddings
+
+
+def test_gguf_index_gives_the_same_header_without_parsing(tmp_path, monkeypatch):
+    from jaxserve.weights import gguf_file
+
+    f = write_tiny_gguf(tmp_path / "tiny.gguf")
+    parsed, reader = gguf_file.read_header(f)
+    assert reader is not None and gguf_file.cache_path(f, "index").is_file()
+
+    def no_parse(path):
+        raise AssertionError("GGUFReader used despite the index")
+
+    monkeypatch.setattr(gguf_file, "open_gguf", no_parse)
+    indexed, reader = gguf_file.read_header(f)
+    assert reader is None and indexed.config == parsed.config and indexed.architecture == "llama"
+    assert indexed.tensors.keys() == parsed.tensors.keys()
+    for name, t in parsed.tensors.items():
+        u = indexed.tensors[name]
+        assert u.tensor_type == t.tensor_type and u.data.dtype == t.data.dtype
+        np.testing.assert_array_equal(u.data, t.data)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "other format", "offset past the end"])
+def test_gguf_index_damaged_or_stale_is_reparsed(tmp_path, damage):
+    from jaxserve.weights import gguf_file
+
+    f = write_tiny_gguf(tmp_path / "tiny.gguf")
+    parsed, _ = gguf_file.read_header(f)
+    index = gguf_file.cache_path(f, "index")
+    d = json.loads(index.read_text())
+    if damage == "garbage":
+        index.write_text("{not json")
+    elif damage == "other format":
+        index.write_text(json.dumps({**d, "format": -1}))
+    else:
+        d["tensors"][0][4] = f.stat().st_size
+        index.write_text(json.dumps(d))
+    header, reader = gguf_file.read_header(f)
+    assert reader is not None and header.config == parsed.config  # parsed again, and re-indexed
+    assert json.loads(index.read_text()) != {} and gguf_file.read_header(f)[1] is None
+    f.write_bytes(f.read_bytes()[:100])  # a changed file has another key: its old index is not read
+    assert gguf_file.cache_path(f, "index") != index
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        gguf_file.read_header(f)
 
 
 # --- model resolution -----------------------------------------------------------------------------------

@@ -3,15 +3,26 @@
 llama.cpp's converter permutes the rows of q and k for the `llama` architecture
 (to its interleaved RoPE layout); we undo that so the weights match the
 transformers (rotate-half) convention the model uses.
+
+`gguf.GGUFReader` parses every metadata array element by element: opening
+SmolLM2's file (a 49k-token vocabulary and its merges) takes about 4 s, on every
+start-up. So the first load writes an index of what loading needs (the config
+and each tensor's type, shape and offset) beside the file, as the tokenizer is
+cached there, and later loads read the tensors through one memory map of the
+file, with no GGUFReader at all.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from jaxserve.models.config import ModelConfig
@@ -36,6 +47,80 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
+
+
+INDEX_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray  # a read-only view of the file, shaped and typed as GGUFReader gives it
+
+
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What loading needs of a GGUF file's header."""
+    config: ModelConfig
+    architecture: str
+    tensors: dict[str, GGUFTensor]
+
+
+def cache_path(path: Path, kind: str) -> Path:
+    """Where a cache derived from the GGUF file at `path` lives: beside it (`.NAME.KIND-KEY`), or
+    under ~/.cache/jaxserve/KINDs/KEY when that folder is read-only. KEY follows the file's
+    resolved path, size and modification time, so an edited or replaced file gets a new one."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    if os.access(path.parent, os.W_OK):
+        return path.parent / f".{path.name}.{kind}-{key}"
+    return Path(os.path.expanduser("~/.cache/jaxserve")) / f"{kind}s" / key
+
+
+def read_header(path: Path) -> tuple[GGUFHeader, GGUFReader | None]:
+    """The file's config and tensors: from its index when an earlier load wrote one, else parsed
+    by GGUFReader (returned too, for the tokenizer; None on an index hit) and indexed."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such GGUF file")
+    index = cache_path(path, "index")
+    header = _read_index(path, index)
+    if header is not None:
+        return header, None
+    reader = open_gguf(path)
+    header = GGUFHeader(read_config(reader, path), field(reader, "general.architecture"),
+                        {t.name: GGUFTensor(t.name, t.tensor_type, t.data) for t in reader.tensors})
+    entries = [[t.name, int(t.tensor_type), t.data.dtype.str, list(t.data.shape), int(t.data_offset)]
+               for t in reader.tensors]
+    try:
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_name(f"{index.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"format": INDEX_FORMAT, "config": header.config.to_dict(),
+                                   "architecture": header.architecture, "tensors": entries}))
+        os.replace(tmp, index)
+    except OSError:
+        pass  # a read-only place: parse again next time, still correct
+    return header, reader
+
+
+def _read_index(path: Path, index: Path) -> GGUFHeader | None:
+    """The header from `index`; None when there is none, or it is unreadable or from another format."""
+    try:
+        d = json.loads(index.read_text())
+        if d.get("format") != INDEX_FORMAT:
+            return None
+        raw = np.memmap(path, np.uint8, mode="r")
+        tensors = {}
+        for name, qtype, dtype, shape, offset in d["tensors"]:
+            dt = np.dtype(dtype)
+            size = int(np.prod(shape)) * dt.itemsize
+            if offset + size > raw.size:
+                return None
+            tensors[name] = GGUFTensor(name, GGMLQuantizationType(qtype),
+                                       raw[offset:offset + size].view(dt).reshape(shape))
+        return GGUFHeader(ModelConfig.from_dict(d["config"]), d["architecture"], tensors)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -103,10 +188,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def load_gguf(reader: GGUFReader, path: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
+def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool = True,
               place_leaf: PlaceFn | None = None) -> Params:
-    tensors = {t.name: t for t in reader.tensors}
-    arch = field(reader, "general.architecture")
+    cfg, arch, tensors = header.config, header.architecture, header.tensors
 
     def get(hf_name: str) -> np.ndarray:
         if hf_name.startswith("model.layers."):

@@ -10,15 +10,13 @@ the file (or under ~/.cache/jaxserve when that folder is read-only).
 
 from __future__ import annotations
 
-import hashlib
-import os
 from pathlib import Path
 
 from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from jaxserve.weights.gguf_file import field, open_gguf
+from jaxserve.weights.gguf_file import cache_path, field, open_gguf
 
 CONTROL, USER_DEFINED = 3, 4
 # Pre-tokenizer split patterns for the `tokenizer.ggml.pre` values whose merges were not
@@ -31,21 +29,12 @@ SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAM
           "smaug-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
 
 
-def _cache_dir(path: Path) -> Path:
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    beside = path.parent / f".{path.name}.tokenizer-{key}"
-    if os.access(path.parent, os.W_OK):
-        return beside
-    return Path(os.path.expanduser("~/.cache/jaxserve/tokenizers")) / key
-
-
 def load_gguf_tokenizer(reader: GGUFReader | None, path: Path) -> PreTrainedTokenizerFast:
     """The cached tokenizer of the GGUF file at `path`, else one built from `reader` and cached.
 
     reader None: the file is opened only on a cache miss (opening parses every header: seconds).
     """
-    cache = _cache_dir(path)
+    cache = cache_path(path, "tokenizer")
     if (cache / "tokenizer.json").is_file():
         return PreTrainedTokenizerFast.from_pretrained(str(cache))
     tok = build_gguf_tokenizer(reader if reader is not None else open_gguf(path), path)

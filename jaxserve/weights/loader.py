@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
@@ -89,9 +89,9 @@ def load_model(model: str | None = None, dtype: str = "auto", progress: bool = T
         from jaxserve.weights import gguf_file
         from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
 
-        reader = gguf_file.open_gguf(path)
-        cfg = gguf_file.read_config(reader, path)
-        params = gguf_file.load_gguf(reader, path, cfg, jdtype, progress, _placer(mesh, cfg))
+        header, reader = gguf_file.read_header(path)  # reader None: read from the file's index
+        cfg = header.config
+        params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg))
         return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path)
     if (path / CHECKPOINT_MARKER).is_file():
         from jaxserve.weights.convert import load_checkpoint
@@ -121,6 +121,10 @@ def _dir_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     """The directory's tokenizer, or None for a weights-only directory (then prompts must be token ids)."""
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
         return None
+    # Imported here: AutoTokenizer pulls in transformers' model configs (and torch when it is
+    # installed), 1.4 s of every start-up that a GGUF model does not need.
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))
 
 
