@@ -101,7 +101,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rev", required=True, help="git revision for side A (side B: the work tree)")
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--block-size", type=int, default=BLOCK_SIZE, help="tokens per KV block (the pool's token count is kept)")
+    p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                   help="tokens per KV block (the pool's token count is kept)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
     p.add_argument("--only", default="", help="run the batches whose name contains this text")
     args = p.parse_args()

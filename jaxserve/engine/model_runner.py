@@ -181,7 +181,8 @@ class ModelRunner:
             # The smallest bucket runs (its outputs are the later programs' example inputs); the
             # others are compiled ahead of time, not run: jit's own cache then holds them, and
             # a restart loading them from the persistent cache skips about 4 s of empty steps.
-            self.kv, hidden, full = self._model_step(self.params, self.kv, self._empty_batch(self.token_buckets[0]), rows)
+            smallest = self._empty_batch(self.token_buckets[0])
+            self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows)
             _gather_rows(full, q_rows)
             bar.update(1)
             for t in self.token_buckets[1:]:
