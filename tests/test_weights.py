@@ -242,6 +242,18 @@ def test_gguf_index_gives_the_same_header_without_parsing(tmp_path, monkeypatch)
         np.testing.assert_array_equal(u.data, t.data)
 
 
+def test_gguf_index_of_a_read_only_folder_goes_under_home(tmp_path, monkeypatch):
+    from jaxserve.weights import gguf_file
+
+    f = write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(gguf_file.os, "access", lambda *a: False)
+    index = gguf_file.cache_path(f, "index")
+    assert index.parent == tmp_path / "home" / ".cache" / "jaxserve" / "gguf"
+    assert gguf_file.read_header(f)[1] is not None and index.is_file() and not list(tmp_path.glob(".tiny*"))
+    assert gguf_file.read_header(f)[1] is None
+
+
 @pytest.mark.parametrize("damage", ["garbage", "other format", "offset past the end"])
 def test_gguf_index_damaged_or_stale_is_reparsed(tmp_path, damage):
     from jaxserve.weights import gguf_file

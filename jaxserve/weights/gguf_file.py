@@ -69,13 +69,13 @@ class GGUFHeader:
 
 def cache_path(path: Path, kind: str) -> Path:
     """Where a cache derived from the GGUF file at `path` lives: beside it (`.NAME.KIND-KEY`), or
-    under ~/.cache/jaxserve/KINDs/KEY when that folder is read-only. KEY follows the file's
-    resolved path, size and modification time, so an edited or replaced file gets a new one."""
+    as ~/.cache/jaxserve/gguf/NAME.KIND-KEY when that folder is read-only. KEY follows the
+    file's resolved path, size and modification time, so an edited or replaced file gets a new one."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     if os.access(path.parent, os.W_OK):
         return path.parent / f".{path.name}.{kind}-{key}"
-    return Path(os.path.expanduser("~/.cache/jaxserve")) / f"{kind}s" / key
+    return Path(os.path.expanduser("~/.cache/jaxserve/gguf")) / f"{path.name}.{kind}-{key}"
 
 
 def read_header(path: Path) -> tuple[GGUFHeader, GGUFReader | None]:
