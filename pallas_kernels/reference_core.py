@@ -49,8 +49,10 @@ _GROUP = 32
 _GROUP_PAIR_TOKENS = 2048
 
 
-def _gather(cache: jax.Array, layer: jax.Array | int | None, ids: tuple[jax.Array, ...]) -> jax.Array:
-    """cache[(layer,) :, *ids] with the head axis first: [heads, *ids[0].shape, rest].
+def _gather(cache: jax.Array, layer: jax.Array | int | None, ids: tuple[jax.Array, ...],
+            heads_first: bool = True) -> jax.Array:
+    """cache[(layer,) :, *ids] with the head axis first: [heads, *ids[0].shape, rest]
+    (or after the ids' axes with heads_first=False: [*ids[0].shape, heads, rest]).
 
     ids index the axes after the heads (blocks, then optionally a row in the block). One
     gather, layer included; heads are a whole-slice offset dimension, so with the pool
@@ -62,8 +64,9 @@ def _gather(cache: jax.Array, layer: jax.Array | int | None, ids: tuple[jax.Arra
     start = jnp.stack([jnp.broadcast_to(jnp.asarray(0 if layer is None else layer, jnp.int32), shape),
                        *(i.astype(jnp.int32) for i in ids)], -1)
     rest = cache.shape[2 + n:]
+    head_axis = 0 if heads_first else len(shape)
     dims = lax.GatherDimensionNumbers(
-        offset_dims=(0, *range(len(shape) + 1, len(shape) + 1 + len(rest))),
+        offset_dims=(head_axis, *range(len(shape) + 1, len(shape) + 1 + len(rest))),
         collapsed_slice_dims=(0, *range(2, 2 + n)), start_index_map=(0, *range(2, 2 + n)))
     return lax.gather(cache, start, dims, (1, cache.shape[1], *([1] * n), *rest),
                       mode=lax.GatherScatterMode.CLIP)
@@ -74,7 +77,8 @@ def gather_blocks(
 ) -> jax.Array:
     """cache[(layer,) :, block_ids] laid out [heads, *block_ids.shape, block_size, dim].
 
-    Heads lead, as in every array of this module: each einsum then has its batch axes
+    Heads lead, as in every array of this module but the decode pairs' (_decode_partials,
+    which multiply-reduce instead of einsum): each einsum then has its batch axes
     (heads, pairs) in front of both operands and of its result, a plain batched matmul
     for XLA:CPU. With the heads inside [pairs, queries, heads, ...], XLA transposed
     around every dot (a grouped part-A iteration's dots and softmax took twice as long).
@@ -118,6 +122,27 @@ def _partials(s, mask, v, pv):
     return m_p, e.sum(-1), pv(e, v)
 
 
+def _decode_partials(qh, k_cache, v_cache, blk, t, key_ok, mask, *, soft_cap, layer):
+    """Part A's pairs of one query each (a decode token and one block of its context):
+    each pair's own softmax, heads first as _merge_pairs takes them.
+
+    Pairs lead here, as XLA:CPU's gather produces them: with heads first it copied both
+    gathered blocks through a transpose. K is read transposed ([P, Hkv, D, BS], folded
+    into the gather's copy), so that q.k and p.v both reduce over a major axis, vectorised
+    along a minor one: a multiply-reduce over the minor head_dim axis ran at a third of
+    that speed. blk, t [P] (block, token); key_ok, mask [P, BS]. Returns m, l [Hkv, P, G]
+    and acc [Hkv, P, G, D].
+    """
+    k = to_float32(_gather(k_cache, layer, (blk,), heads_first=False)).swapaxes(-1, -2)  # [P, Hkv, D, BS]
+    v = to_float32(_gather(v_cache, layer, (blk,), heads_first=False))  # [P, Hkv, BS, D]
+    v = jnp.where(key_ok[:, None, :, None], v, 0.0)  # a freed block may hold NaN/inf
+    q = qh[:, t].swapaxes(0, 1)  # [P, Hkv, G, D]
+    s = (q[..., None] * k[:, :, None]).sum(-2)  # [P, Hkv, G, BS]
+    pv = lambda e, v: (e[..., None] * v[:, :, None]).sum(-2)  # noqa: E731
+    m_p, l_p, acc_p = _partials(cap_logits(s, soft_cap), mask[:, None, None, :], v, pv)
+    return m_p.swapaxes(0, 1), l_p.swapaxes(0, 1), acc_p.swapaxes(0, 1)
+
+
 def _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, leads, group, pairs, *,
                   soft_cap, layer):
     """Part A as a flat list of (query group, block) pairs, `pairs` blocks per loop iteration.
@@ -153,25 +178,24 @@ def _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids, l
         b = first[t] + p - (ends[t] - count[t])  # block index in the group's table
         blk = jnp.clip(jnp.take_along_axis(tables[t], jnp.clip(b, 0, max_blocks - 1)[:, None], 1)[:, 0],
                        0, num_blocks - 1)
-        k = to_float32(gather_blocks(k_cache, blk, layer))  # [Hkv, P, BS, D]
-        v = to_float32(gather_blocks(v_cache, blk, layer))
         rows = jnp.minimum(t[:, None] + offsets, num_tokens - 1)  # [P, Qg] the group's tokens
         in_group = (t[:, None] + offsets < num_tokens) & (seq_ids[rows] == seq_ids[t][:, None])
         key_pos = b[:, None] * block_size + in_block  # [P, BS]
         key_ok = live[:, None] & (key_pos < new_start[t][:, None])  # [P, BS]
         mask = (key_ok[:, None, :] & in_group[:, :, None] & (q_pos[rows] >= 0)[:, :, None]
                 & (key_pos[:, None, :] >= lo[rows][:, :, None]))  # [P, Qg, BS]
+        if group == 1:
+            return _merge_pairs(carry, t, *_decode_partials(qh, k_cache, v_cache, blk, t, key_ok, mask[:, 0],
+                                                            soft_cap=soft_cap, layer=layer), rows_sorted=True)
+        k = to_float32(gather_blocks(k_cache, blk, layer))  # [Hkv, P, BS, D]
+        v = to_float32(gather_blocks(v_cache, blk, layer))
         v = jnp.where(key_ok[None, :, :, None], v, 0.0)  # a freed block may hold NaN/inf
         q = qh[:, rows]  # [Hkv, P, Qg, G, D]
-        if group == 1:  # one query per block: a fused multiply-reduce beats P x Hkv tiny dots
-            s = (q[:, :, 0, :, None, :] * k[:, :, None, :, :]).sum(-1)[:, :, None]
-            pv = lambda e, v: (e[:, :, 0, ..., None] * v[:, :, None, :, :]).sum(-2)[:, :, None]  # noqa: E731
-        else:
-            s = jnp.einsum("hpqgd,hpkd->hpqgk", q, k)  # [Hkv, P, Qg, G, BS]
-            pv = functools.partial(jnp.einsum, "hpqgk,hpkd->hpqgd")
+        s = jnp.einsum("hpqgd,hpkd->hpqgk", q, k)  # [Hkv, P, Qg, G, BS]
+        pv = functools.partial(jnp.einsum, "hpqgk,hpkd->hpqgd")
         m_p, l_p, acc_p = _partials(cap_logits(s, soft_cap), mask[None, :, :, None, :], v, pv)
         flat = lambda x: x.reshape(num_kv_heads, -1, *x.shape[3:])  # noqa: E731
-        return _merge_pairs(carry, rows.reshape(-1), flat(m_p), flat(l_p), flat(acc_p), rows_sorted=group == 1)
+        return _merge_pairs(carry, rows.reshape(-1), flat(m_p), flat(l_p), flat(acc_p))
 
     init = (jnp.full((num_kv_heads, num_tokens, heads_per_kv), NEG_INF, jnp.float32),
             jnp.zeros((num_kv_heads, num_tokens, heads_per_kv), jnp.float32),

@@ -1,16 +1,19 @@
 """A/B of the CPU attention path inside the whole model step: a git revision against the work tree.
 
 Loads `pallas_kernels/reference_core.py` as it was at REV (through `git show`) next
-to the current one, jits the SmolLM2-135M-shaped model step (random float32
-weights; a pool of 23296 tokens in blocks of --block-size, float32 or, with
---kv-cache-dtype bfloat16, bfloat16 bits) once with each, and times them interleaved in one
-process on seven batches: 32 decode tokens at context 250, 22 decode tokens with
-log-normal contexts (median 300), prefills of 4 x 128 and 1 x 512 fresh tokens,
-28 decode tokens next to 2 x 128 or 1 x 484 prompt tokens, and the second
-512-token chunk of a 1024-token prompt. Medians of --reps calls each.
+to the current one, jits the SmolLM2-135M-shaped model step (random float32 weights,
+or with --quantization int8 their int8 form; a pool of 23296 tokens in blocks of
+--block-size, float32 or, with --kv-cache-dtype bfloat16, bfloat16 bits) once with
+each, and times them interleaved in one process on seven batches: 32 decode tokens
+at context 250, 22 decode tokens with log-normal contexts (median 300), prefills of
+4 x 128 and 1 x 512 fresh tokens, 28 decode tokens next to 2 x 128 or 1 x 484 prompt
+tokens, and the second 512-token chunk of a 1024-token prompt. Medians of --reps
+calls each.
 
     .venv/bin/python scripts/ab_attention.py --rev 8ff7d07
     .venv/bin/python scripts/ab_attention.py --rev HEAD --block-size 64 --kv-cache-dtype bfloat16
+    .venv/bin/python scripts/ab_attention.py --rev HEAD --block-size 64 --kv-cache-dtype bfloat16 \
+        --quantization int8 --only decode, --reps 31
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.args import KV_CACHE_DTYPES
+from jaxserve.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.models import attention, llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.attention import AttentionMetadata
+from jaxserve.models.quant import calibration_ids, quantize_params
 from pallas_kernels import reference_core
 from pallas_kernels.common import token_positions
 
@@ -104,6 +108,7 @@ def main() -> None:
     p.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                    help="tokens per KV block (the pool's token count is kept)")
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
     p.add_argument("--only", default="", help="run the batches whose name contains this text")
     args = p.parse_args()
     NUM_BLOCKS, BLOCK_SIZE, MAX_BLOCKS = (NUM_BLOCKS * BLOCK_SIZE // args.block_size, args.block_size,
@@ -113,6 +118,8 @@ def main() -> None:
     shapes = llama.param_shapes(CFG)
     params = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s), jnp.float32) * 0.02, shapes,
                           is_leaf=lambda x: isinstance(x, tuple))
+    if args.quantization:  # calibrated on fixed spread-out ids (no tokenizer)
+        params = quantize_params(params, CFG, args.quantization, calibration_ids(None, CFG.vocab_size))
     kv = attention.make_kv_cache(CFG.num_layers, CFG.num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, CFG.head_dim,
                                  attention.kv_pool_dtype(args.kv_cache_dtype, jnp.float32, "reference"))
     steps = {args.rev: make_step(attend_with(load_revision(args.rev))),
