@@ -115,6 +115,16 @@ def main() -> None:
               f"{med([r[0] for r in rows]):>8.1f} "
               + " ".join(f"{med([r[1].get(n, 0.0) for r in rows]):>9.1f}" for n in names)
               + f" {share:>6.0%}")
+    decode = steps.get("decode only", [])
+    if decode:  # how decode-only steps spread over token counts (the bucket grid's concern)
+        edges = (0, 8, 16, 24, 32, 48, 64, 1 << 30)
+        spread = []
+        for lo, hi in zip(edges, edges[1:]):
+            rows = [r for r in decode if lo < r[2] <= hi]
+            if rows:
+                spread.append(f"{lo + 1}-{hi if hi < 1 << 30 else ''}: {len(rows)} steps, "
+                              f"{sum(r[0] for r in rows) / wall:.0%} of the time")
+        print("decode-only steps by tokens: " + "; ".join(spread))
 
 
 if __name__ == "__main__":
