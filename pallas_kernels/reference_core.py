@@ -259,6 +259,16 @@ def _new_part(qh, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, *, soft_cap)
     return flat(m), flat(l), flat(acc)
 
 
+def _own_only(qh, k_new, v_new, valid, *, soft_cap):
+    """Part B when every token is the only new one of its sequence: each sees itself alone,
+    a softmax over one key. Same layout as `_new_part`'s result."""
+    s = cap_logits((qh * k_new[:, :, None, :]).sum(-1), soft_cap)  # [Hkv, T, G]
+    m = jnp.where(valid[None, :, None], s, NEG_INF)
+    l = jnp.broadcast_to(jnp.where(valid, 1.0, 0.0)[None, :, None], m.shape)
+    acc = jnp.where(valid[None, :, None, None], v_new[:, :, None, :], 0.0)
+    return m, l, jnp.broadcast_to(acc, qh.shape)
+
+
 def attend_reference(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [(L,) Hkv, NB, BS, D]
@@ -309,14 +319,19 @@ def attend_reference(
     v_new = to_float32(_gather(v_cache, layer, (own_block, own % block_size)))
     idx = jnp.arange(padded, dtype=jnp.int32)
     earliest = idx - (q_pos - jnp.maximum(lo, new_start))
-    m_b, l_b, acc_b = _new_part(qh, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap)
+    same_prev = jnp.concatenate([jnp.zeros(1, bool), seq_ids[1:] == seq_ids[:-1]])
+    same_next = jnp.concatenate([seq_ids[:-1] == seq_ids[1:], jnp.zeros(1, bool)])
+    multi = valid & (same_prev | same_next)  # tokens sharing this step with others of their sequence
+    # A decode-only step (no such token) needs of part B each token against itself alone: the
+    # tiles' diagonal cost it a quarter of its attention on a CPU.
+    m_b, l_b, acc_b = lax.cond(
+        jnp.any(multi),
+        lambda: _new_part(qh, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap),
+        lambda: _own_only(qh, k_new, v_new, valid, soft_cap=soft_cap))
 
     # Part A: a decode token (the only new token of its sequence) gathers its own blocks;
     # several new tokens of one sequence (a prompt chunk after cached context, a prefix-cache
     # hit) share each gathered block in groups of _GROUP.
-    same_prev = jnp.concatenate([jnp.zeros(1, bool), seq_ids[1:] == seq_ids[:-1]])
-    same_next = jnp.concatenate([seq_ids[:-1] == seq_ids[1:], jnp.zeros(1, bool)])
-    multi = valid & (same_prev | same_next)
     kw = dict(soft_cap=soft_cap, layer=layer)
     single = _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
                            valid & ~multi, 1, max(1, _PAIR_TOKENS // block_size), **kw)
