@@ -5,7 +5,7 @@ torch, which jaxserve does not depend on at run time. So we assemble the same
 byte-level BPE with the `tokenizers` library from `tokenizer.ggml.*` fields and
 wrap it in `PreTrainedTokenizerFast` (which brings chat templates); the tests
 hold its ids against transformers' own conversion. The result is cached beside
-the file (or under ~/.cache/jaxserve when that folder is read-only).
+the file (or under ~/.cache/jaxserve/gguf when that folder is read-only).
 """
 
 from __future__ import annotations
