@@ -123,7 +123,8 @@ def main() -> None:
             rows = [r for r in decode if lo < r[2] <= hi]
             if rows:
                 spread.append(f"{lo + 1}-{hi if hi < 1 << 30 else ''}: {len(rows)} steps, "
-                              f"{sum(r[0] for r in rows) / wall:.0%} of the time")
+                              f"{sum(r[0] for r in rows) / wall:.0%} of the time, "
+                              f"median {statistics.median(r[0] for r in rows) * 1e3:.0f} ms")
         print("decode-only steps by tokens: " + "; ".join(spread))
 
 

@@ -50,6 +50,17 @@ def token_buckets(lo: int, hi: int) -> list[int]:
     return sorted(grid)
 
 
+# The smallest token bucket. A batch's last few sequences run steps of 1-8 decode tokens; on
+# the CPU (int8 SmolLM2-135M, 64-token blocks) an 8-token program ran those 1.3-1.4x faster than
+# the 16-token one, and they were 39% of a 32-request run's time (BENCHMARKS.md).
+MIN_TOKEN_BUCKET = 8
+
+
+def step_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """The model step's token buckets for a `max_num_batched_tokens` budget."""
+    return token_buckets(MIN_TOKEN_BUCKET, max(MIN_TOKEN_BUCKET, max_num_batched_tokens))
+
+
 def bucket_for(n: int, grid: list[int]) -> int:
     for b in grid:
         if n <= b:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack, token_buckets
+from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack, step_token_buckets
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
@@ -66,6 +66,11 @@ def num_compilations() -> int:
 def _model_step(params, kv, batch: StepInput, rows, *, cfg, backend):
     kv, hidden = llama.forward(params, cfg, kv, batch.token_ids, batch.positions, batch.attn, backend)
     return kv, hidden[rows], hidden  # [P, hidden]: the sampling tokens' last positions; [T, hidden]: all
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _rows_like(hidden, num_tokens):  # [T, hidden] -> zeros [num_tokens, hidden], placed as a step's output
+    return jnp.broadcast_to(hidden[:1] * 0, (num_tokens, *hidden.shape[1:]))
 
 
 @jax.jit
@@ -155,7 +160,7 @@ class ModelRunner:
                                     self.cfg.head_dim, dtype)
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
-        self.token_buckets = token_buckets(16, max(16, rc.max_num_batched_tokens))
+        self.token_buckets = step_token_buckets(rc.max_num_batched_tokens)
         self.seq_buckets = buckets(8, max(8, rc.max_num_seqs))
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
@@ -188,8 +193,9 @@ class ModelRunner:
             for t in self.token_buckets[1:]:
                 _model_step.lower(self.params, self.kv, self._empty_batch(t), rows, cfg=self.cfg,
                                   backend=self.rc.backend).compile()
-                full_t = jax.ShapeDtypeStruct((t, *full.shape[1:]), full.dtype, sharding=full.sharding)
-                _gather_rows.lower(full_t, q_rows).compile()
+                # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
+                # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
+                _gather_rows(_rows_like(full, t), q_rows)
                 bar.update(1)
             _fetch(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows))
             for _, md in variants:
@@ -361,7 +367,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     blocks = rc.max_blocks_per_seq + 1
     kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, blocks, rc.block_size, cfg.head_dim), dtype)
                for _ in range(2))
-    t = buckets(16, max(16, rc.max_num_batched_tokens))[-1]
+    t = step_token_buckets(rc.max_num_batched_tokens)[-1]
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
     rows = np.zeros(buckets(8, max(8, rc.max_num_seqs))[-1], np.int32)
     compiled = _model_step.lower(model.params, kv, batch, rows, cfg=cfg, backend=rc.backend).compile()
