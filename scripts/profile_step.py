@@ -117,7 +117,7 @@ def main() -> None:
               + f" {share:>6.0%}")
     decode = steps.get("decode only", [])
     if decode:  # how decode-only steps spread over token counts (the bucket grid's concern)
-        edges = (0, 8, 16, 24, 32, 48, 64, 1 << 30)
+        edges = (0, 2, 4, 8, 16, 24, 32, 48, 64, 1 << 30)
         spread = []
         for lo, hi in zip(edges, edges[1:]):
             rows = [r for r in decode if lo < r[2] <= hi]

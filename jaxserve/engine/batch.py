@@ -50,10 +50,12 @@ def token_buckets(lo: int, hi: int) -> list[int]:
     return sorted(grid)
 
 
-# The smallest token bucket. A batch's last few sequences run steps of 1-8 decode tokens; on
-# the CPU (int8 SmolLM2-135M, 64-token blocks) an 8-token program ran those 1.3-1.4x faster than
-# the 16-token one, and they were 39% of a 32-request run's time (BENCHMARKS.md).
-MIN_TOKEN_BUCKET = 8
+# The smallest token bucket. A batch's last few sequences run steps of 1-8 decode tokens (39% of
+# a 32-request run's time on the CPU); there (int8 SmolLM2-135M, 64-token blocks) the 8-token
+# program ran them 1.3-1.4x faster than the 16-token one, and the 2- and 4-token programs 1.2-1.5x
+# faster again. A 1-token program was slower than the 2-token one, so the grid starts at 2
+# (BENCHMARKS.md, "Small buckets for a batch's tail").
+MIN_TOKEN_BUCKET = 2
 
 
 def step_token_buckets(max_num_batched_tokens: int) -> list[int]:
