@@ -52,10 +52,10 @@ def token_buckets(lo: int, hi: int) -> list[int]:
 
 # The smallest token bucket. A batch's last few sequences run steps of 1-8 decode tokens (39% of
 # a 32-request run's time on the CPU); there (int8 SmolLM2-135M, 64-token blocks) the 8-token
-# program ran them 1.3-1.4x faster than the 16-token one, and the 2- and 4-token programs 1.2-1.5x
-# faster again. A 1-token program was slower than the 2-token one, so the grid starts at 2
-# (BENCHMARKS.md, "Small buckets for a batch's tail").
-MIN_TOKEN_BUCKET = 2
+# program ran them 1.3-1.4x faster than the 16-token one, and the 4-token program 1.2-1.3x faster
+# again. The 2-token program saved another 3 ms on 1-2 tokens (and a 1-token one nothing), less
+# than its compile costs every cold start (BENCHMARKS.md, "Small buckets for a batch's tail").
+MIN_TOKEN_BUCKET = 4
 
 
 def step_token_buckets(max_num_batched_tokens: int) -> list[int]:
