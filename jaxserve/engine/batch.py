@@ -63,6 +63,11 @@ def step_token_buckets(max_num_batched_tokens: int) -> list[int]:
     return token_buckets(MIN_TOKEN_BUCKET, max(MIN_TOKEN_BUCKET, max_num_batched_tokens))
 
 
+def step_seq_buckets(max_num_seqs: int) -> list[int]:
+    """The sampler's request-count buckets for a `max_num_seqs` budget (powers of two from 8)."""
+    return buckets(8, max(8, max_num_seqs))
+
+
 def bucket_for(n: int, grid: list[int]) -> int:
     for b in grid:
         if n <= b:

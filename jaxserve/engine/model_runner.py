@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.engine.batch import StepInput, bucket_for, buckets, pack, step_token_buckets
+from jaxserve.engine.batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
 from jaxserve.engine.request import Request
 from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
@@ -161,7 +161,7 @@ class ModelRunner:
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
         self.token_buckets = step_token_buckets(rc.max_num_batched_tokens)
-        self.seq_buckets = buckets(8, max(8, rc.max_num_seqs))
+        self.seq_buckets = step_seq_buckets(rc.max_num_seqs)
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
         host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
@@ -369,7 +369,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
                for _ in range(2))
     t = step_token_buckets(rc.max_num_batched_tokens)[-1]
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
-    rows = np.zeros(buckets(8, max(8, rc.max_num_seqs))[-1], np.int32)
+    rows = np.zeros(step_seq_buckets(rc.max_num_seqs)[-1], np.int32)
     compiled = _model_step.lower(model.params, kv, batch, rows, cfg=cfg, backend=rc.backend).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
