@@ -47,6 +47,11 @@ _PAIR_TOKENS = 2048
 # (16 and 32 blocks of 16 tokens did the same on a 512-token chunk after 512 cached).
 _GROUP = 32
 _GROUP_PAIR_TOKENS = 2048
+# A sequence with at most this many new tokens in a step (a decode token with its speculative
+# drafts, a short prompt tail) reads part A token by token, as decode tokens do: a group of 32
+# scores 32 query rows per gathered block however few of them are real, which made a step of
+# 2 sequences with 4 new tokens each 4x as slow as one of 2 decode tokens.
+_SHORT_RUN = 8
 
 
 def _gather(cache: jax.Array, layer: jax.Array | int | None, ids: tuple[jax.Array, ...],
@@ -322,6 +327,9 @@ def attend_reference(
     same_prev = jnp.concatenate([jnp.zeros(1, bool), seq_ids[1:] == seq_ids[:-1]])
     same_next = jnp.concatenate([seq_ids[:-1] == seq_ids[1:], jnp.zeros(1, bool)])
     multi = valid & (same_prev | same_next)  # tokens sharing this step with others of their sequence
+    run_start = idx - (q_pos - new_start)  # packed index of the sequence's first new token
+    beyond = jnp.minimum(run_start + _SHORT_RUN, padded - 1)
+    long_run = multi & (run_start + _SHORT_RUN < padded) & (seq_ids[beyond] == seq_ids)
     # A decode-only step (no such token) needs of part B each token against itself alone: the
     # tiles' diagonal cost it a quarter of its attention on a CPU.
     m_b, l_b, acc_b = lax.cond(
@@ -329,16 +337,16 @@ def attend_reference(
         lambda: _new_part(qh, k_new, v_new, q_pos, lo, seq_ids, earliest, tile, soft_cap=soft_cap),
         lambda: _own_only(qh, k_new, v_new, valid, soft_cap=soft_cap))
 
-    # Part A: a decode token (the only new token of its sequence) gathers its own blocks;
-    # several new tokens of one sequence (a prompt chunk after cached context, a prefix-cache
-    # hit) share each gathered block in groups of _GROUP.
+    # Part A: a decode token (the only new token of its sequence), or one of a short run
+    # (_SHORT_RUN), gathers its own blocks; the new tokens of a longer run (a prompt chunk after
+    # cached context, a prefix-cache hit) share each gathered block in groups of _GROUP.
     kw = dict(soft_cap=soft_cap, layer=layer)
     single = _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
-                           valid & ~multi, 1, max(1, _PAIR_TOKENS // block_size), **kw)
-    leads = multi & ((q_pos - new_start) % _GROUP == 0)
+                           valid & ~long_run, 1, max(1, _PAIR_TOKENS // block_size), **kw)
+    leads = long_run & ((q_pos - new_start) % _GROUP == 0)
     grouped = _cached_pairs(qh, k_cache, v_cache, tables, q_pos, lo, new_start, seq_ids,
                             leads, _GROUP, max(1, _GROUP_PAIR_TOKENS // block_size), **kw)
-    m_a, l_a, acc_a = (jnp.where(multi.reshape(1, -1, *([1] * (x.ndim - 2))), y, x)
+    m_a, l_a, acc_a = (jnp.where(long_run.reshape(1, -1, *([1] * (x.ndim - 2))), y, x)
                        for x, y in zip(single, grouped))
 
     m = jnp.maximum(m_a, m_b)

@@ -48,7 +48,12 @@ def default_gguf() -> str:
 # jaxserve peers: the flags each adds to `jaxserve serve` (before --jaxserve-args)
 JAXSERVE_PEERS = {"jaxserve": [], "jaxserve-int8": ["--quantization", "int8"],
                   # README's fastest flags on a CPU
-                  "jaxserve-cpu": ["--quantization", "int8", "--kv-cache-dtype", "bfloat16", "--block-size", "64"]}
+                  "jaxserve-cpu": ["--quantization", "int8", "--kv-cache-dtype", "bfloat16", "--block-size", "64"],
+                  # the same, with n-gram speculative decoding in the batch's tail (drafts take the
+                  # sampler rows no request uses, so at most 32 rows: --max-num-seqs 32)
+                  "jaxserve-cpu-ngram": ["--quantization", "int8", "--kv-cache-dtype", "bfloat16", "--block-size", "64",
+                                         "--max-num-seqs", "32", "--speculative-config",
+                                         '{"method": "ngram", "num_speculative_tokens": 4}']}
 
 
 def server_command(peer: str, args, port: int) -> list[str]:

@@ -20,6 +20,10 @@ CONFIGS = {
                                 enable_prefix_caching=True, max_num_batched_tokens=16),
     "recompute+chunked+prefix": dict(preemption_mode="recompute", enable_chunked_prefill=True,
                                      enable_prefix_caching=True, max_num_batched_tokens=16),
+    # n-gram drafts in the batch's tail, under preemption and prefix caching
+    "recompute+chunked+prefix+ngram": dict(preemption_mode="recompute", enable_chunked_prefill=True,
+                                           enable_prefix_caching=True, max_num_batched_tokens=16,
+                                           speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
 }
 COMMON = dict(max_model_len=128, block_size=8, num_gpu_blocks_override=40, max_num_seqs=16, dtype="float32")
 
@@ -43,6 +47,8 @@ def test_64_requests_match_transformers_greedy(name, jax_default_model, hf_greed
     assert stats.num_preemptions > 0, "the squeezed pool should force preemption"
     if CONFIGS[name]["enable_prefix_caching"]:
         assert stats.prefix_cache_hits > 0
+    if CONFIGS[name].get("speculative_config"):
+        assert stats.spec_num_accepted_tokens > 0
     assert stats.kv_cache_usage == 0.0 and stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_swapped == 0 and stats.cpu_cache_usage == 0.0
     assert engine.scheduler.kv.num_free_blocks == engine.num_gpu_blocks
@@ -82,6 +88,35 @@ def test_n_best_of_stop_and_logprobs(jax_default_model):
     assert cut.outputs[0].text == text[: text.index(stop)]
     assert cut.outputs[0].finish_reason == "stop" and cut.outputs[0].stop_reason == stop
     assert llm.llm_engine.scheduler.kv.num_free_blocks == llm.llm_engine.num_gpu_blocks
+
+
+def test_ngram_speculation_keeps_tokens_logprobs_and_stop_strings(jax_default_model):
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    plain = _llm(jax_default_model, **COMMON, max_num_batched_tokens=128)
+    fast = _llm(jax_default_model, **COMMON, max_num_batched_tokens=128, speculative_config=spec)
+    prompts = PROMPTS[:4]
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2, ignore_eos=True)
+    want, got = (llm.generate(prompts, params, use_tqdm=False) for llm in (plain, fast))
+    for w, g in zip(want, got):
+        w, g = w.outputs[0], g.outputs[0]
+        assert g.token_ids == w.token_ids and g.text == w.text
+        assert len(g.logprobs) == len(g.token_ids)
+        for we, ge in zip(w.logprobs, g.logprobs):
+            assert list(ge) == list(we)
+            assert [e.logprob for e in ge.values()] == pytest.approx([e.logprob for e in we.values()], abs=1e-4)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+    stats = fast.llm_engine.get_stats()
+    assert stats.spec_num_accepted_tokens > 0, "no draft was accepted: nothing was tested"
+    # A stop string met inside a step's accepted drafts: the text ends before it, no token after it.
+    text = want[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = [llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
+           for llm in (plain, fast)]
+    assert cut[1].outputs[0].text == cut[0].outputs[0].text == text[: text.index(stop)]
+    assert cut[1].outputs[0].token_ids == cut[0].outputs[0].token_ids
+    assert cut[1].outputs[0].finish_reason == "stop" and cut[1].outputs[0].stop_reason == stop
+    assert fast.llm_engine.scheduler.kv.num_free_blocks == fast.llm_engine.num_gpu_blocks
+    assert stats.num_compilations_after_warmup == 0
 
 
 def test_bad_requests_are_refused_and_leave_the_engine_clean(jax_default_model):

@@ -23,6 +23,9 @@ CASES = {
     # a prompt over five tiles: tiles that need several tiles below them, in more than one
     # iteration of part B's pair list, some sharing an iteration
     "long_prompt": [(130, 130), (1, 9), (70, 100)],
+    # decode tokens with speculative drafts after cached context: runs of up to 8 new tokens read
+    # the cache token by token, longer ones in groups (reference_core._SHORT_RUN)
+    "speculative": [(4, 40), (1, 17), (8, 30), (9, 50), (2, 3), (6, 70)],
 }
 
 # (case, block_size, head_dim, group, num_kv_heads): a covering sweep, not a product.
@@ -40,6 +43,8 @@ SWEEP = [
     ("multi_tile", 16, 64, 3, 1),
     ("multi_tile", 8, 64, 1, 2),
     ("long_prompt", 16, 64, 3, 1),
+    ("speculative", 16, 64, 3, 1),
+    ("speculative", 8, 128, 1, 2),
 ]
 
 
@@ -82,7 +87,8 @@ def test_reference_window_and_soft_cap(window, cap):
 
 
 @pytest.mark.parametrize("case,window,cap", [("multi_tile", 20, None), ("multi_tile", 37, 3.0),
-                                             ("multi_tile", 1, None), ("long_prompt", 50, None)])
+                                             ("multi_tile", 1, None), ("long_prompt", 50, None),
+                                             ("speculative", 5, None)])
 def test_reference_multi_tile_window(case, window, cap):
     # Windows cutting into the cached part (A), into this step's part (B), and both; a window
     # of 50 over a 130-token prompt skips tile pairs far below the diagonal.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from jaxserve.engine.spec_decode import SpeculativeConfig
+
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
@@ -49,6 +51,9 @@ class EngineArgs:
     num_hosts: int = 1  # processes joined by jax.distributed; > 1: one tensor-parallel mesh over all of them
     host_rank: int | None = None  # this process's rank; None: from the cluster environment (SLURM, ...)
     coordinator: str | None = None  # ADDR:PORT of rank 0's coordinator; None: $JAX_COORDINATOR_ADDRESS
+    # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": None} (spec_decode.py).
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -85,6 +90,7 @@ class EngineArgs:
               "host_rank", f"must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
         check(self.coordinator is None or self.coordinator.rpartition(":")[2].isdigit(), "coordinator",
               f"must be ADDR:PORT, got {self.coordinator!r}")
+        SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
               f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 

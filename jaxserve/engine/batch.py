@@ -77,7 +77,8 @@ def bucket_for(n: int, grid: list[int]) -> int:
 
 def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_blocks_per_seq: int,
          block_size: int) -> tuple[StepInput, list[int]]:
-    """Host-side numpy batch, and the flat index of each sampling request's last token (in order)."""
+    """Host-side numpy batch, and the flat rows to sample (in order): each sampling request's last
+    token, preceded by its last real token's row and its other drafts' when it carries drafts."""
     tokens = np.zeros(num_tokens_padded, np.int32)
     positions = np.zeros(num_tokens_padded, np.int32)
     slots = np.full(num_tokens_padded, -1, np.int32)
@@ -97,8 +98,8 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
         tables[i, :len(blocks)] = blocks
         t += n
         cu[i + 1] = t
-        if sr.sample:
-            sample_rows.append(t - 1)
+        if sr.sample:  # the last token's row, and one after each speculative draft
+            sample_rows.extend(range(t - 1 - sr.num_drafts, t))
     cu[len(out.scheduled) + 1:] = t
     attn = AttentionMetadata(slot_mapping=slots, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu,
                              num_seqs=np.asarray([len(out.scheduled)], np.int32))

@@ -54,6 +54,7 @@ class IncrementalDetokenizer:
             self._ids = []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._num_fed = 0
         self._text = ""  # final output text (truncated at a stop string)
         self._num_emitted = 0  # chars of _text already returned as deltas
         self._stop_reason: str | None = None
@@ -77,6 +78,11 @@ class IncrementalDetokenizer:
     def finished(self) -> bool:
         return self._stop_reason is not None or self._flushed
 
+    @property
+    def num_fed(self) -> int:
+        """Generated ids taken so far; add_tokens takes none after the one that completes a stop string."""
+        return self._num_fed
+
     def add_tokens(self, token_ids: Sequence[int]) -> tuple[str, str | None]:
         """Feed newly generated ids; return (text safe to emit now, matched stop string or None).
 
@@ -86,6 +92,7 @@ class IncrementalDetokenizer:
             raise RuntimeError("add_tokens after the output finished (stop string or flush)")
         for token_id in token_ids:
             self._ids.append(token_id)
+            self._num_fed += 1
             start = len(self._text)
             self._text += self._decode_next()
             # Per token, so the stop found does not depend on how ids were grouped into calls.

@@ -33,6 +33,7 @@ from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.sampling_params import SamplingParams
 from jaxserve.engine.scheduler import Scheduler
 from jaxserve.engine.scheduler_types import SchedulerConfig
+from jaxserve.engine.spec_decode import SpeculativeConfig
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params
@@ -97,7 +98,8 @@ class LLMEngine:
             num_blocks=self.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-            preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks))
+            preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks,
+            speculative=SpeculativeConfig.parse(args.speculative_config)))
         self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
                                                             num_cpu_blocks=self.num_cpu_blocks), mesh)
         self.load_seconds = time.perf_counter() - t0
@@ -223,7 +225,9 @@ class LLMEngine:
         for req in updated:
             group, sample = self._child[req.request_id]
             before = len(sample.token_ids)
-            stop_hit = op.absorb(group, sample, req, model_out.sampled.get(req.request_id), self.tokenizer, now)
+            first = model_out.sampled.get(req.request_id)
+            sampled = [first, *model_out.draft_sampled.get(req.request_id, ())] if first is not None else []
+            stop_hit = op.absorb(group, sample, req, sampled, self.tokenizer, now)
             self._num_generation_tokens += len(sample.token_ids) - before
             if stop_hit is not None and not req.is_finished:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
@@ -249,7 +253,9 @@ class LLMEngine:
             num_running=s.num_running, num_waiting=s.num_waiting, num_swapped=s.num_swapped,
             kv_cache_usage=s.kv_cache_usage, cpu_cache_usage=s.cpu_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_preemptions=s.num_preemptions, num_prompt_tokens=self._num_prompt_tokens,
+            num_preemptions=s.num_preemptions, spec_num_drafts=s.spec_num_drafts,
+            spec_num_draft_tokens=s.spec_num_draft_tokens, spec_num_accepted_tokens=s.spec_num_accepted_tokens,
+            num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens, num_compilations=compiles,
             num_compilations_after_warmup=compiles - self.compilations_at_warmup,
             num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks)

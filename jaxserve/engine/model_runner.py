@@ -143,7 +143,9 @@ class PreparedStep:
     rows: np.ndarray | None = None  # [P] i32, each sampling request's last flat row, 0 padded
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
     sampling: SamplingMetadata | None = None  # numpy leaves, padded to a seq bucket; None: nobody samples
-    sample_ids: list[tuple[str, int]] = field(default_factory=list)  # (request id, top-N logprobs) per row
+    # (request id, top-N logprobs, draft index) per row; draft index 0: the row of the last real
+    # token, j > 0: the row after the request's j-th speculative draft
+    sample_ids: list[tuple[str, int, int]] = field(default_factory=list)
 
     @property
     def has_device_work(self) -> bool:
@@ -234,15 +236,22 @@ class ModelRunner:
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = self._prompt_logprob_chunks(out, requests)
-        sampling = [requests[sr.request_id] for sr in out.scheduled if sr.sample]
-        if not sampling:
+        infos, sample_ids = [], []
+        for sr in out.scheduled:
+            if not sr.sample:
+                continue
+            r = requests[sr.request_id]
+            drafts = sr.token_ids[len(sr.token_ids) - sr.num_drafts:]
+            for j in range(sr.num_drafts + 1):  # row j: as if drafts[:j] were already accepted
+                outputs = r.output_token_ids + drafts[:j] if j else r.output_token_ids
+                infos.append(RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens + j,
+                                     r.prompt_token_ids, outputs))
+                sample_ids.append((r.request_id, r.sampling_params.logprobs or 0, j))
+        if not infos:
             return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps)
-        md = SamplingMetadata.build_host(
-            [RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens, r.prompt_token_ids,
-                     r.output_token_ids) for r in sampling],
-            bucket_for(len(sampling), self.seq_buckets), self.rc.max_model_len)
+        md = SamplingMetadata.build_host(infos, bucket_for(len(infos), self.seq_buckets), self.rc.max_model_len)
         return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps, sampling=md,
-                            sample_ids=[(r.request_id, r.sampling_params.logprobs or 0) for r in sampling])
+                            sample_ids=sample_ids)
 
     def run(self, p: PreparedStep) -> ModelOutput:
         """Everything on the device, from host data only: every rank of a multi-host run calls this
@@ -255,8 +264,14 @@ class ModelRunner:
         if p.sampling is None:
             return ModelOutput(prompt_logprobs=prompt_lps)
         so = _fetch(_sample_step(self.params, hidden, self._input(p.sampling)))
-        result = {rid: _sampled(so, i, int(so.token_ids[i]), n) for i, (rid, n) in enumerate(p.sample_ids)}
-        return ModelOutput(result, prompt_lps)
+        result = ModelOutput(prompt_logprobs=prompt_lps)
+        for i, (rid, n, j) in enumerate(p.sample_ids):
+            token = _sampled(so, i, int(so.token_ids[i]), n)
+            if j == 0:
+                result.sampled[rid] = token
+            else:
+                result.draft_sampled.setdefault(rid, []).append(token)
+        return result
 
     def _prompt_logprob_chunks(self, out: SchedulerOutput,
                                requests: Mapping[str, Request]) -> list[PromptLogprobChunk]:

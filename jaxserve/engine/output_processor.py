@@ -69,25 +69,33 @@ def absorb_prompt_logprobs(group: RequestGroup, entries: dict[int, SampledToken]
             group.prompt_logprobs[pos] = _logprob_entry(s, s.token_id, tokenizer)
 
 
-def absorb(group: RequestGroup, sample: SampleState, req: Request, sampled: SampledToken | None,
+def absorb(group: RequestGroup, sample: SampleState, req: Request, sampled: list[SampledToken],
            tokenizer: PreTrainedTokenizerBase | None, now: float) -> str | None:
-    """Take the request's new tokens into `sample`; returns a matched stop string, if any."""
+    """Take the request's new tokens into `sample`; returns a matched stop string, if any.
+
+    `sampled`: the runner's entries for the new tokens, in order (several when speculative
+    drafts were accepted this step)."""
     new = req.output_token_ids[len(sample.token_ids):]
     stop_hit = None
     if new:
+        if sample.detok is not None:
+            fed = sample.detok.num_fed
+            delta, stop_hit = sample.detok.add_tokens(new)
+            sample.text += delta
+            if stop_hit is not None:  # accepted drafts after the stop string are not output
+                new = new[: sample.detok.num_fed - fed]
         sample.token_ids.extend(new)
         m = group.metrics
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
         if sample.index == 0:
             m.token_times.extend([now] * len(new))
-        if sampled is not None and sampled.logprob is not None:
-            sample.cumulative_logprob += sampled.logprob
+        for token_id, s in zip(new, sampled):
+            if s.logprob is None:
+                continue
+            sample.cumulative_logprob += s.logprob
             if sample.logprobs is not None:
-                sample.logprobs.append(_logprob_entry(sampled, new[-1], tokenizer))
-        if sample.detok is not None:
-            delta, stop_hit = sample.detok.add_tokens(new)
-            sample.text += delta
+                sample.logprobs.append(_logprob_entry(s, token_id, tokenizer))
     if stop_hit is not None:
         sample.finish_reason, sample.stop_reason = "stop", stop_hit
     elif req.is_finished:

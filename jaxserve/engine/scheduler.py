@@ -16,7 +16,10 @@ token budget over at most `max_num_seqs` requests, in three passes:
                                 rest when it does not fit, so it never starves.
 
 `update()` applies the runner's sampled tokens, checks stop conditions and
-frees finished requests. Parallel samples (`parent_id`) wait until the parent's
+frees finished requests. With `speculative` set, a greedy decoding request may
+carry n-gram drafts after its last token (spec_decode.py); `update()` keeps
+those the model agreed with and rolls `num_computed_tokens` back past the rest
+(their KV slots are simply written again later). Parallel samples (`parent_id`) wait until the parent's
 prompt is computed, then fork: they share its prompt blocks and recompute only
 the last prompt token (copy-on-write on the shared last block), sampling their
 own first token. Pure Python, no JAX.
@@ -32,6 +35,7 @@ from jaxserve.engine.kv_cache_manager import KVCacheManager
 from jaxserve.engine.request import Request, RequestStatus
 from jaxserve.engine.scheduler_types import (ModelOutput, SampledToken, ScheduledRequest,
                                              SchedulerConfig, SchedulerOutput, SchedulerStats)
+from jaxserve.engine.spec_decode import propose_ngram
 
 __all__ = ["ModelOutput", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
@@ -54,6 +58,9 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -168,6 +175,7 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         """Returns True if anything was preempted."""
         budget = self.config.max_num_batched_tokens
+        drafts_left = self._draft_budget()
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
@@ -175,7 +183,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
+            drafts = self._drafts(req, num_new, min(drafts_left, budget - num_new))
+            copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new + len(drafts))
+            if copies is None and drafts:  # no room for the drafts: decode plainly first
+                drafts = []
+                copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new)
             while copies is None:
                 victim = self.running.pop()
                 self._preempt(victim, out)
@@ -186,10 +198,37 @@ class Scheduler:
             if copies is None:
                 break
             out.copy_blocks.extend(copies)
-            self._add_scheduled(out, req, num_new)
-            budget -= num_new
+            self._add_scheduled(out, req, num_new, drafts)
+            budget -= num_new + len(drafts)
+            drafts_left -= len(drafts)
             i += 1
         return preempted
+
+    def _draft_budget(self) -> int:
+        """Draft tokens this step may carry in all. Every scheduled request samples a row and a
+        step samples at most max_num_seqs rows, so drafts take only the rows no request can."""
+        spec = self.config.speculative
+        if spec is None:
+            return 0
+        num_running = len(self.running)
+        if spec.disable_by_batch_size is not None and num_running > spec.disable_by_batch_size:
+            return 0
+        others = len(self.waiting) + len(self.swapped) + sum(len(c) for c in self.pending_forks.values())
+        return max(0, self.config.max_num_seqs - num_running - others)
+
+    def _drafts(self, req: Request, num_new: int, limit: int) -> list[int]:
+        """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []."""
+        spec = self.config.speculative
+        if spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        if not req.sampling_params.greedy:
+            return []
+        # Never past the request's end: a step yields up to 1 + k tokens.
+        k = min(spec.num_speculative_tokens, limit,
+                req.max_total_tokens(self.config.max_model_len) - req.num_tokens - 1)
+        if k <= 0:
+            return []
+        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         budget = self._budget_left(out)
@@ -242,13 +281,13 @@ class Scheduler:
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in out.scheduled)
 
-    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int) -> None:
+    def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int, drafts: list[int] = ()) -> None:
         start = req.num_computed_tokens
         out.scheduled.append(ScheduledRequest(
-            request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new),
+            request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new) + list(drafts),
             start_pos=start,
             block_ids=list(self.kv.get_block_ids(req.request_id)),
-            sample=start + num_new == req.num_tokens))
+            sample=start + num_new == req.num_tokens, num_drafts=len(drafts)))
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """`victim` is already out of `running`. Swap it out, else recompute later."""
@@ -277,15 +316,29 @@ class Scheduler:
             # Aborted (or re-added) between schedule() and update(): drop its results.
             if req is None or req.status != RequestStatus.RUNNING or req.num_computed_tokens != sched.start_pos:
                 continue
-            req.num_computed_tokens += len(sched.token_ids)
+            num_drafts = sched.num_drafts
+            req.num_computed_tokens += len(sched.token_ids) - num_drafts
             if sched.sample:
                 token = model_output.sampled.get(req.request_id)
                 if token is None:  # it would sit forever with nothing left to compute
                     raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
-                req.output_token_ids.append(token.token_id)
+                tokens = [token]
+                if num_drafts:
+                    tokens += model_output.draft_sampled[req.request_id]
+                    drafts = sched.token_ids[-num_drafts:]
+                    self.spec_num_drafts += 1
+                    self.spec_num_draft_tokens += num_drafts
                 changed.append(req)
-                if req.check_stop(self.config.max_model_len):
-                    finished.append(req)
+                for j, tok in enumerate(tokens):
+                    req.output_token_ids.append(tok.token_id)
+                    if req.check_stop(self.config.max_model_len):
+                        finished.append(req)
+                        break
+                    if j == num_drafts or drafts[j] != tok.token_id:
+                        break
+                    # The model's token is draft j: its KV, computed this step, holds.
+                    req.num_computed_tokens += 1
+                    self.spec_num_accepted_tokens += 1
             if self.config.enable_prefix_caching and req.num_computed_tokens // bs > sched.start_pos // bs:
                 self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
         if finished:
@@ -313,4 +366,6 @@ class Scheduler:
             cpu_cache_usage=self.kv.cpu_usage,
             prefix_cache_queries=self.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions)
+            num_preemptions=self.num_preemptions, spec_num_drafts=self.spec_num_drafts,
+            spec_num_draft_tokens=self.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.engine.spec_decode import SpeculativeConfig
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 
@@ -23,6 +25,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
     num_cpu_blocks: int = 0  # host swap pool, used by preemption_mode="swap"
+    speculative: SpeculativeConfig | None = None  # n-gram drafts for greedy decoding requests
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:
@@ -56,6 +59,9 @@ class ScheduledRequest:
     # True when this step computes the request's last known token, so the runner
     # samples a new token from its logits (False for a non-final prefill chunk).
     sample: bool
+    # Speculative drafts: the last num_drafts of token_ids are proposed, not yet accepted. The
+    # runner samples after each of them too (ModelOutput.draft_sampled).
+    num_drafts: int = 0
 
 
 @dataclass
@@ -88,6 +94,8 @@ class SampledToken:
 class ModelOutput:
     # request_id -> token, only for the ScheduledRequests with sample=True
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # request_id -> the token sampled after each of its drafts, for ScheduledRequests with num_drafts > 0
+    draft_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request_id -> {prompt position p: logprob entry for prompt token p (p >= 1)}, for prompt_logprobs
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
 
@@ -102,3 +110,6 @@ class SchedulerStats:
     prefix_cache_queries: int  # cumulative, tokens looked up at admission
     prefix_cache_hits: int  # cumulative, tokens found
     num_preemptions: int  # cumulative
+    spec_num_drafts: int = 0  # cumulative, request-steps that carried drafts
+    spec_num_draft_tokens: int = 0  # cumulative
+    spec_num_accepted_tokens: int = 0  # cumulative, drafts the model agreed with

@@ -15,6 +15,9 @@ class EngineStats:
     prefix_cache_queries: int = 0  # cumulative, tokens
     prefix_cache_hits: int = 0  # cumulative, tokens
     num_preemptions: int = 0  # cumulative
+    spec_num_drafts: int = 0  # cumulative, request-steps that carried speculative drafts
+    spec_num_draft_tokens: int = 0  # cumulative, draft tokens proposed
+    spec_num_accepted_tokens: int = 0  # cumulative, draft tokens accepted
     num_prompt_tokens: int = 0  # cumulative, tokens computed for prompts
     num_generation_tokens: int = 0  # cumulative, tokens sampled
     num_compilations: int = 0  # XLA compilations since start-up

@@ -13,6 +13,7 @@ typed; that is how an explicit flag is told apart from a default.
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
@@ -70,6 +71,8 @@ _HELP = {
     "num_hosts": "processes (hosts) joined by jax.distributed into one tensor-parallel mesh; rank 0 serves HTTP",
     "host_rank": "this host's rank, 0 .. num_hosts - 1; None: from the cluster environment",
     "coordinator": "ADDR:PORT of rank 0's jax.distributed coordinator; None: $JAX_COORDINATOR_ADDRESS",
+    "speculative_config": "JSON, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' drafts "
+                          "greedy requests' next tokens from their own earlier n-grams",
     "host": "address to bind",
     "port": "port to bind",
     "api_key": "require `Authorization: Bearer KEY` on /v1 routes",
@@ -111,9 +114,21 @@ def _add_fields(group: argparse._ArgumentGroup, specs: dict[str, tuple[type, boo
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)
+        elif kind is dict:
+            group.add_argument(flag, type=_json_object, default=argparse.SUPPRESS, metavar="JSON", help=help_text)
         else:
             group.add_argument(flag, type=kind, choices=_CHOICES.get(name), default=argparse.SUPPRESS,
                                metavar=None if name in _CHOICES else name.upper(), help=help_text)
+
+
+def _json_object(value: str) -> dict:
+    try:
+        obj = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {value!r}")
+    return obj
 
 
 def add_serve_args(parser: argparse.ArgumentParser, *, positional_model: bool) -> argparse.ArgumentParser:

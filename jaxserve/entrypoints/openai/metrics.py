@@ -77,6 +77,12 @@ class _EngineStatsCollector(Collector):
         yield counter("vllm:num_preemptions", "Preemptions since start-up.", stats.num_preemptions)
         yield counter("vllm:prompt_tokens", "Prompt tokens computed.", stats.num_prompt_tokens)
         yield counter("vllm:generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        yield counter("vllm:spec_decode_num_drafts", "Request-steps that carried speculative drafts.",
+                      stats.spec_num_drafts)
+        yield counter("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.",
+                      stats.spec_num_draft_tokens)
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+                      stats.spec_num_accepted_tokens)
         yield counter("jaxserve:xla_compilations", "XLA compilations since start-up.", stats.num_compilations)
         yield counter("jaxserve:xla_compilations_after_warmup",
                       "XLA compilations while serving (each one is a bug).", stats.num_compilations_after_warmup)

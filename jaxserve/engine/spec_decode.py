@@ -1,0 +1,104 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts: vLLM's `{"method": "ngram"}`.
+
+A decoding request whose last n tokens (n from `prompt_lookup_max` down to
+`prompt_lookup_min`) occurred earlier in its prompt or output proposes the
+tokens that followed that earlier occurrence as drafts. The scheduler feeds
+them after the request's last token in one step; the sampler scores every
+position, and the scheduler keeps the drafts up to the first one that differs
+from the model's own token, plus the model's token there. So a step yields
+1 to 1 + k tokens, and the output is the one plain decoding gives.
+
+Only greedy requests draft (a random sample would need rejection sampling).
+Drafts are limited so that a step samples at most `max_num_seqs` rows (the
+sampler's largest bucket): with many requests running a step has no room for
+them, and speculation applies to the few long requests a batch ends with,
+whose steps are bound by reading the weights, not by the tokens they carry.
+Pure Python, no JAX.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int  # k: most drafts per request and step
+    method: str = "ngram"
+    prompt_lookup_max: int = 4  # longest suffix n-gram looked up
+    prompt_lookup_min: int = 1  # shortest
+    # Propose nothing in a step while more requests than this are running (None: no limit).
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"speculative_config.{name} {msg}")
+
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        check(self.method in SPECULATIVE_METHODS, "method",
+              f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        check(is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
+              "num_speculative_tokens", f"must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
+              f"must be an integer >= 1, got {self.prompt_lookup_min!r}")
+        check(is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
+              "prompt_lookup_max", f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), "
+              f"got {self.prompt_lookup_max!r}")
+        check(self.disable_by_batch_size is None
+              or (is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
+              "disable_by_batch_size", f"must be an integer >= 1 or None, got {self.disable_by_batch_size!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """EngineArgs.speculative_config (a dict, as vLLM takes it) -> a SpeculativeConfig; None stays None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"ngram\", "
+                             f"\"num_speculative_tokens\": 3}}, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                 "disable_by_batch_size"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config.num_speculative_tokens is required")
+        return cls(**value)
+
+
+def _continuation(token_ids: list[int], start: int, k: int) -> list[int]:
+    """k tokens as the sequence went on from `start`. A match that reaches the end (a loop whose
+    period is shorter than k) goes on with the proposal itself: the loop, repeated."""
+    out = token_ids[start:start + k]
+    period = len(token_ids) - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
+
+
+def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """k tokens that followed the latest earlier occurrence of the longest suffix n-gram
+    (n_max down to n_min) of `token_ids`; [] when none occurs earlier."""
+    if k <= 0 or len(token_ids) < 2:
+        return []
+    buf = array("i", token_ids).tobytes()
+    length = len(token_ids)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        pattern = buf[4 * (length - n):]
+        # Search before the last token, so the match starts earlier than the suffix itself (it
+        # may overlap it: in a loop of period p < n the continuation is the loop).
+        end = 4 * (length - 1)
+        while True:
+            at = buf.rfind(pattern, 0, end)
+            if at < 0:
+                break
+            if at % 4 == 0:  # a whole-token match, not bytes straddling two tokens
+                return _continuation(token_ids, at // 4 + n, k)
+            end = at + len(pattern) - 1
+    return []
