@@ -16,13 +16,13 @@ token budget over at most `max_num_seqs` requests, in three passes:
                                 rest when it does not fit, so it never starves.
 
 `update()` applies the runner's sampled tokens, checks stop conditions and
-frees finished requests. With `speculative` set, a greedy decoding request may
-carry n-gram drafts after its last token (spec_decode.py); `update()` keeps
-those the model agreed with and rolls `num_computed_tokens` back past the rest
-(their KV slots are simply written again later). Parallel samples (`parent_id`) wait until the parent's
+frees finished requests. Parallel samples (`parent_id`) wait until the parent's
 prompt is computed, then fork: they share its prompt blocks and recompute only
 the last prompt token (copy-on-write on the shared last block), sampling their
-own first token. Pure Python, no JAX.
+own first token. With `speculative` set, a greedy decoding request may carry
+n-gram drafts after its last token (spec_decode.py); `update()` keeps those the
+model agreed with and leaves `num_computed_tokens` short of the rest (their KV
+slots are written again later). Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -184,6 +184,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = self._drafts(req, num_new, min(drafts_left, budget - num_new))
+            if drafts and not self._room_for_drafts(req, num_new, len(drafts), len(self.running) - i - 1):
+                drafts = []
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new + len(drafts))
             if copies is None and drafts:  # no room for the drafts: decode plainly first
                 drafts = []
@@ -215,6 +217,13 @@ class Scheduler:
             return 0
         others = len(self.waiting) + len(self.swapped) + sum(len(c) for c in self.pending_forks.values())
         return max(0, self.config.max_num_seqs - num_running - others)
+
+    def _room_for_drafts(self, req: Request, num_new: int, num_drafts: int, num_after: int) -> bool:
+        """Drafts must not take blocks the running requests after this one may need this step
+        (a new block each at most): a draft never causes a preemption."""
+        end = req.num_computed_tokens + num_new
+        extra = self.kv.blocks_needed(end + num_drafts) - self.kv.blocks_needed(end)
+        return extra == 0 or self.kv.num_free_blocks - extra >= num_after
 
     def _drafts(self, req: Request, num_new: int, limit: int) -> list[int]:
         """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []."""
