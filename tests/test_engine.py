@@ -18,9 +18,8 @@ CONFIGS = {
                       max_num_batched_tokens=128),
     "swap+chunked+prefix": dict(preemption_mode="swap", swap_space=0.05, enable_chunked_prefill=True,
                                 enable_prefix_caching=True, max_num_batched_tokens=16),
-    "recompute+chunked+prefix": dict(preemption_mode="recompute", enable_chunked_prefill=True,
-                                     enable_prefix_caching=True, max_num_batched_tokens=16),
-    # n-gram drafts in the batch's tail, under preemption and prefix caching
+    # chunked prefill and prefix caching under recompute preemption, with n-gram drafts in the
+    # batch's tail (16 running of 64: no free sampler rows, so no drafts, until the last requests)
     "recompute+chunked+prefix+ngram": dict(preemption_mode="recompute", enable_chunked_prefill=True,
                                            enable_prefix_caching=True, max_num_batched_tokens=16,
                                            speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
