@@ -19,12 +19,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
+import sys
 import time
 
-import jax
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from jaxserve.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS, EngineArgs
+import jax  # noqa: E402
+
+from jaxserve.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS, EngineArgs  # noqa: E402
 
 
 def main() -> None:
@@ -42,6 +46,11 @@ def main() -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     p.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--random-model", default=None, metavar="SHAPE",
+                   help="random weights of a shape in scripts/gpu_engine.py (smollm2-135m, llama-3.1-8b) "
+                        "instead of --model: the GPU machine has no model files")
     args = p.parse_args()
 
     from jaxserve.bench.datasets import lognormal_requests
@@ -49,13 +58,25 @@ def main() -> None:
     from jaxserve.engine.sampling_params import SamplingParams
     from jaxserve.engine import model_runner
 
+    loaded = None
+    if args.random_model:
+        import gpu_engine  # scripts/ is this script's directory, so on sys.path
+
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
+        loaded = gpu_engine.random_model(args.random_model, dtype)
     engine = LLMEngine(EngineArgs(
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        quantization=args.quantization, block_size=args.block_size,
-        kv_cache_dtype=args.kv_cache_dtype))
-    requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
-                                  args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
+        quantization=args.quantization, block_size=args.block_size, dtype=args.dtype,
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype), model=loaded)
+    if loaded is not None:
+        requests = gpu_engine.requests(args.num_prompts, loaded.config.vocab_size, args.seed,
+                                       args.input_median, args.output_median)
+    else:
+        requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
+                                      args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
+    print(f"warm-up {engine.warmup_seconds:.1f} s, {engine.num_gpu_blocks} KV blocks, "
+          f"backend {engine.runner.rc.backend}, device {jax.devices()[0].device_kind}", flush=True)
 
     # Wrap each phase with a wall clock; the model step is made synchronous so its time is its own.
     times: dict[str, float] = collections.defaultdict(float)

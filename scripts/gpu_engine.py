@@ -1,0 +1,183 @@
+"""The whole engine on a GPU with random weights: offline throughput, and greedy agreement
+between the Pallas and the reference (XLA) attention backends.
+
+Random weights because the lent GPU machine reaches no hub and its working tree is capped
+at 64 MiB (the default model's GGUF is 98 MB): throughput depends on shapes, not values.
+Prompts are random token ids with the performance issue's log-normal lengths (median 128,
+sigma 0.7, prompts clipped to 16-1024, outputs to 16-512), greedy, ignore_eos, all at t=0.
+
+  python scripts/gpu_engine.py --model smollm2-135m --backend pallas --out /tmp/x
+  python scripts/gpu_engine.py --model tiny --backend reference --num-prompts 8   # CPU smoke
+Prints one JSON line (tagged RESULT) and, with --out, saves the output token ids for
+`--compare A.npz B.npz`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+SHAPES = {  # the Llama shapes a user would serve; rope and vocab as in their config.json
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True),
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+                         tie_word_embeddings=True, rms_norm_eps=1e-5),
+    "llama-3.1-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+                         rms_norm_eps=1e-5),
+}
+
+
+def random_model(name: str, dtype: str, seed: int = 0):
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import llama
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.weights.loader import LoadedModel
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=4096, **SHAPES[name])
+    shapes = llama.param_shapes(cfg)
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    dt = jnp.dtype(dtype)
+
+    # Made on the device, one jitted program per leaf (an 8B model is 16 GB: never via the host).
+    # Norms near 1, weights scaled so activations stay O(1) and logits are far from uniform.
+    def make(key, shape, is_norm, fan_in):
+        if is_norm:
+            return (1.0 + 0.1 * jax.random.normal(key, shape, jnp.float32)).astype(dt)
+        return (jax.random.normal(key, shape, jnp.float32) * (1.5 / np.sqrt(fan_in))).astype(dt)
+
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for key, shape, path in zip(keys, leaves, paths):
+        name_ = str(path[-1].key)
+        fan_in = shape[-2] if len(shape) > 1 and name_ != "embed" else 64
+        out.append(jax.jit(make, static_argnums=(1, 2, 3))(key, tuple(shape), "norm" in name_, fan_in))
+    params = jax.tree.unflatten(treedef, out)
+    jax.block_until_ready(params)
+    return LoadedModel(cfg, params, None, f"random-{name}", Path("."))
+
+
+def requests(num: int, vocab: int, seed: int, in_median: float, out_median: float):
+    from jaxserve.bench.datasets import SampleRequest, lognormal_lengths
+
+    rng = np.random.default_rng(seed)
+    ins = lognormal_lengths(rng, num, in_median, 0.7, 16, 1024)
+    outs = lognormal_lengths(rng, num, out_median, 0.7, 16, 512)
+    return [SampleRequest(rng.integers(0, vocab, n).tolist(), n, m) for n, m in zip(ins, outs)]
+
+
+def run(args) -> dict:
+    import jax
+
+    if args.highest_precision:
+        jax.config.update("jax_default_matmul_precision", "highest")
+    from jaxserve.bench.throughput import run_throughput
+    from jaxserve.entrypoints.llm import LLM
+    from jaxserve.engine.model_runner import num_compilations
+
+    t0 = time.perf_counter()
+    model = random_model(args.model, args.dtype)
+    init_s = time.perf_counter() - t0
+    reqs = requests(args.num_prompts, model.config.vocab_size, args.seed, args.input_median, args.output_median)
+    kw = dict(dtype=args.dtype, attention_backend=args.backend, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=True,
+              enable_prefix_caching=False)
+    if args.num_gpu_blocks:
+        kw["num_gpu_blocks_override"] = args.num_gpu_blocks
+    print(f"weights made in {init_s:.1f} s", flush=True)
+    llm = LLM(model, progress=False, **kw)
+    eng = llm.llm_engine
+    # Progress as it happens: a stage killed at its time limit still says how far it got.
+    print(f"engine ready: warm-up {eng.warmup_seconds:.1f} s, {eng.num_gpu_blocks} KV blocks", flush=True)
+    res = run_throughput(llm, reqs[:min(8, len(reqs))], progress=False)  # first steps off the clock
+    compiles = num_compilations()
+    print(f"first {min(8, len(reqs))} requests done", flush=True)
+    res = run_throughput(llm, reqs, progress=False)
+    print(f"{len(reqs)} requests done in {res['elapsed_time']:.1f} s", flush=True)
+    outs = llm.generate([{"prompt_token_ids": r.prompt} for r in reqs[:args.num_compare]],
+                        _greedy(reqs[:args.num_compare]), use_tqdm=False) if args.out else []
+    res.update(model=args.model, backend=args.backend, dtype=args.dtype, device=jax.devices()[0].device_kind,
+               jax=jax.__version__, init_weights_s=round(init_s, 1), warmup_s=round(eng.warmup_seconds, 1),
+               num_gpu_blocks=eng.num_gpu_blocks, compilations_during_run=num_compilations() - compiles,
+               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    if outs:
+        toks = [o.outputs[0].token_ids for o in outs]
+        res["tokens_sha1"] = hashlib.sha1(json.dumps(toks).encode()).hexdigest()[:12]
+        np.savez(args.out, *[np.asarray(t, np.int32) for t in toks])
+    return res
+
+
+def _greedy(reqs):
+    from jaxserve.engine.sampling_params import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in reqs]
+
+
+def compare(a: str, b: str) -> dict:
+    """How many greedy sequences agree, and where the others first diverge."""
+    x, y = np.load(a), np.load(b)
+    same, first = 0, []
+    for k in x.files:
+        s, t = x[k], y[k]
+        n = min(len(s), len(t))
+        diff = np.nonzero(s[:n] != t[:n])[0]
+        if len(diff) == 0 and len(s) == len(t):
+            same += 1
+        else:
+            first.append(int(diff[0]) if len(diff) else n)
+    return {"compare": [a, b], "identical": same, "of": len(x.files),
+            "first_divergence_median": float(np.median(first)) if first else None,
+            "tokens_per_sequence_median": float(np.median([len(x[k]) for k in x.files]))}
+
+
+def brief(res: dict) -> str:
+    if "compare" in res:
+        return (f"greedy sequences identical {res['identical']}/{res['of']}, first divergence at token "
+                f"{res['first_divergence_median']} (median) of {res['tokens_per_sequence_median']}")
+    return (f"{res['model']} {res['dtype']} {res['backend']}: {res['output_tokens_per_second']:.0f} output tok/s, "
+            f"{res['tokens_per_second']:.0f} total tok/s, {res['elapsed_time']:.2f} s for {res['num_requests']} "
+            f"requests, TTFT p50 {res['p50_ttft_ms']:.0f} ms; warm-up {res['warmup_s']} s, "
+            f"{res['num_gpu_blocks']} blocks, {res['compilations_during_run']} compiles in the run")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m")
+    p.add_argument("--backend", choices=["pallas", "reference"], default="pallas")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-median", type=float, default=128)
+    p.add_argument("--output-median", type=float, default=128)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--highest-precision", action="store_true", help="float32 matmuls without TF32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="save the first --num-compare requests' greedy tokens here (.npz)")
+    p.add_argument("--num-compare", type=int, default=64)
+    p.add_argument("--compare", nargs=2, metavar="NPZ")
+    args = p.parse_args()
+    res = compare(*args.compare) if args.compare else run(args)
+    print("RESULT " + json.dumps(res), flush=True)
+    print("BRIEF " + brief(res), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
