@@ -7,7 +7,7 @@
 #   4. offline throughput on the performance issue's workload: SmolLM2-135M's shape in bfloat16
 #      with both backends (and their greedy agreement), then Llama-3.1-8B's shape
 # Needs only python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm and pyyaml
-# (all in the GPU image). Logs and token files go to $OUT (default /tmp/gpu_check_out).
+# (all in the GPU image).
 #   scripts/gpu_check.sh              # on the GPU machine
 #   scripts/gpu_check.sh --cpu-smoke  # anywhere: interpret-mode kernels + a tiny engine run
 # PYTHON=... picks the interpreter (default: python3 if it has jax, else .venv/bin/python).
@@ -21,9 +21,11 @@ if [ -z "${PYTHON:-}" ]; then
     PYTHON=.venv/bin/python
   fi
 fi
-OUT=${OUT:-/tmp/gpu_check_out}
-NPZ=${NPZ:-/tmp/gpu_check_npz}  # greedy tokens for the parity stages (kept out of $OUT: 8 files come back)
-mkdir -p "$OUT" "$NPZ"
+OUT=${OUT:-/tmp/gpu_check_out}  # gets two files: summary.txt and logs.txt (the device tool returns 8 at most)
+LOGS=${LOGS:-/tmp/gpu_check_logs}  # one log per stage
+NPZ=${NPZ:-/tmp/gpu_check_npz}  # greedy tokens for the parity stages
+mkdir -p "$OUT" "$LOGS" "$NPZ"
+rm -f "$LOGS"/*.log "$NPZ"/*.npz
 export PYTHONUNBUFFERED=1
 # Programs and GEMM autotuning results shared between the stages (each is its own process).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/gpu_check_jaxcache}
@@ -42,11 +44,11 @@ stage() {  # stage NAME LIMIT_S CMD...
   [ "$limit" -gt "$left" ] && limit=$left
   echo "== $name (limit ${limit}s, t=$((SECONDS - START))s)"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E "^\s*$|Warning|warn\(" | tail -n 40
+  timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v -E "^\s*$|Warning|warn\(" | tail -n 40
   local rc=${PIPESTATUS[0]}
   local res
-  res=$(grep -h "^BRIEF " "$OUT/$name.log" | tail -n 1 | cut -c7-)
-  SUMMARY+=("$name: rc=$rc $((SECONDS - t0))s ${res:-$(grep -h -E "ALL PASS|SOME CHECKS FAILED|Error" "$OUT/$name.log" | tail -n 1)}")
+  res=$(grep -h "^BRIEF " "$LOGS/$name.log" | tail -n 1 | cut -c7-)
+  SUMMARY+=("$name: rc=$rc $((SECONDS - t0))s ${res:-$(grep -h -E "ALL PASS|SOME CHECKS FAILED|Error" "$LOGS/$name.log" | tail -n 1)}")
 }
 
 if [ "${1:-}" = "--cpu-smoke" ]; then
@@ -75,6 +77,5 @@ else
     stage parity_bf16 30 $E --compare "$NPZ/smol_bf16_pallas.npz" "$NPZ/smol_bf16_reference.npz"
   want llama8b_bf16_pallas && stage llama8b_bf16_pallas 150 $E --model llama-3.1-8b --backend pallas --num-compare 0
 fi
-echo
-echo "== summary ($((SECONDS - START))s)"
-printf '%s\n' "${SUMMARY[@]}"
+for f in "$LOGS"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt"
+{ echo; echo "== summary ($((SECONDS - START))s)"; printf '%s\n' "${SUMMARY[@]}"; } | tee "$OUT/summary.txt"

@@ -70,12 +70,12 @@ def random_model(name: str, dtype: str, seed: int = 0):
     return LoadedModel(cfg, params, None, f"random-{name}", Path("."))
 
 
-def requests(num: int, vocab: int, seed: int, in_median: float, out_median: float):
+def requests(num: int, vocab: int, seed: int, in_median: float, out_median: float, sigma: float = 0.7):
     from jaxserve.bench.datasets import SampleRequest, lognormal_lengths
 
     rng = np.random.default_rng(seed)
-    ins = lognormal_lengths(rng, num, in_median, 0.7, 16, 1024)
-    outs = lognormal_lengths(rng, num, out_median, 0.7, 16, 512)
+    ins = lognormal_lengths(rng, num, in_median, sigma, 16, 1024)
+    outs = lognormal_lengths(rng, num, out_median, sigma, 16, 512)
     return [SampleRequest(rng.integers(0, vocab, n).tolist(), n, m) for n, m in zip(ins, outs)]
 
 

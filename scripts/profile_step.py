@@ -71,7 +71,7 @@ def main() -> None:
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype), model=loaded)
     if loaded is not None:
         requests = gpu_engine.requests(args.num_prompts, loaded.config.vocab_size, args.seed,
-                                       args.input_median, args.output_median)
+                                       args.input_median, args.output_median, args.sigma)
     else:
         requests = lognormal_requests(engine.tokenizer, args.num_prompts, args.input_median, args.output_median,
                                       args.sigma, (16, 1024), (16, 512), args.seed, as_ids=True)
