@@ -289,3 +289,15 @@ def test_kernel_lowers_to_triton(group, num_kv_heads, head_dim, block_size, stac
     )(sds((256, num_kv_heads * group, head_dim), bf16), cache, cache, sds((32,), i32),
       sds((32, 64), i32), sds((33,), i32), sds((), i32))
     assert "xla.gpu.triton" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("dtype,want", [(jnp.float32, "HIGHEST"), (jnp.bfloat16, "None")])
+def test_kernel_dots_are_ieee_for_float32(dtype, want):
+    # Triton lowers a float32 dot with default precision to TF32, which put two float32 cases of
+    # scripts/gpu_check.py 3e-4 off on an H200; HIGHEST lowers to IEEE. bfloat16 keeps the default.
+    from pallas_kernels.ragged_paged_attention import dot_nn, dot_nt
+
+    a = jnp.ones((16, 32), dtype)
+    for fn, b in ((dot_nt, jnp.ones((16, 32), dtype)), (dot_nn, jnp.ones((32, 16), dtype))):
+        (eqn,) = [e for e in jax.make_jaxpr(fn)(a, b).eqns if e.primitive.name == "dot_general"]
+        assert want in str(eqn.params["precision"]), eqn.params["precision"]
