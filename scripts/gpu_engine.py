@@ -47,9 +47,8 @@ def random_model(name: str, dtype: str, seed: int = 0):
     from jaxserve.weights.loader import LoadedModel
 
     cfg = ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=4096, **SHAPES[name])
-    shapes = llama.param_shapes(cfg)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0]]
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(llama.param_shapes(cfg),
+                                                           is_leaf=lambda x: isinstance(x, tuple))
     dt = jnp.dtype(dtype)
 
     # Made on the device, one jitted program per leaf (an 8B model is 16 GB: never via the host).
@@ -61,7 +60,7 @@ def random_model(name: str, dtype: str, seed: int = 0):
 
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
-    for key, shape, path in zip(keys, leaves, paths):
+    for key, (path, shape) in zip(keys, leaves):
         name_ = str(path[-1].key)
         fan_in = shape[-2] if len(shape) > 1 and name_ != "embed" else 64
         out.append(jax.jit(make, static_argnums=(1, 2, 3))(key, tuple(shape), "norm" in name_, fan_in))
@@ -103,9 +102,10 @@ def run(args) -> dict:
     eng = llm.llm_engine
     # Progress as it happens: a stage killed at its time limit still says how far it got.
     print(f"engine ready: warm-up {eng.warmup_seconds:.1f} s, {eng.num_gpu_blocks} KV blocks", flush=True)
-    res = run_throughput(llm, reqs[:min(8, len(reqs))], progress=False)  # first steps off the clock
+    warm = reqs[:8]
+    run_throughput(llm, warm, progress=False)  # the first steps off the clock
     compiles = num_compilations()
-    print(f"first {min(8, len(reqs))} requests done", flush=True)
+    print(f"first {len(warm)} requests done", flush=True)
     res = run_throughput(llm, reqs, progress=False)
     print(f"{len(reqs)} requests done in {res['elapsed_time']:.1f} s", flush=True)
     outs = llm.generate([{"prompt_token_ids": r.prompt} for r in reqs[:args.num_compare]],

@@ -61,9 +61,9 @@ def main() -> None:
     loaded = None
     if args.random_model:
         import gpu_engine  # scripts/ is this script's directory, so on sys.path
+        from jaxserve.weights.loader import resolve_dtype
 
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype
-        loaded = gpu_engine.random_model(args.random_model, dtype)
+        loaded = gpu_engine.random_model(args.random_model, resolve_dtype(args.dtype))
     engine = LLMEngine(EngineArgs(
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
