@@ -1,7 +1,7 @@
 """jaxserve: an LLM inference server on JAX/XLA with Pallas paged attention."""
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

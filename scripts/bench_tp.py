@@ -29,7 +29,7 @@ import numpy as np
 a = json.loads(sys.argv[1])
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)

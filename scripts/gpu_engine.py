@@ -85,7 +85,7 @@ def run(args) -> dict:
         jax.config.update("jax_default_matmul_precision", "highest")
     from jaxserve.bench.throughput import run_throughput
     from jaxserve.entrypoints.llm import LLM
-    from jaxserve.engine.model_runner import num_compilations
+    from jaxserve.worker.model_runner import num_compilations
 
     t0 = time.perf_counter()
     model = random_model(args.model, args.dtype)
@@ -122,7 +122,7 @@ def run(args) -> dict:
 
 
 def _greedy(reqs):
-    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     return [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in reqs]
 

@@ -55,8 +55,8 @@ def main() -> None:
 
     from jaxserve.bench.datasets import lognormal_requests
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.engine.sampling_params import SamplingParams
-    from jaxserve.engine import model_runner
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.worker import model_runner
 
     loaded = None
     if args.random_model:

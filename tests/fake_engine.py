@@ -30,7 +30,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
 
 WORDS = ["<pad>", "<s>", "</s>", "<unk>", "system", "user", "assistant", "hello", "world"]

@@ -27,7 +27,7 @@ WORKER_TIMEOUT_S = 240  # a rank 1 that hears nothing from rank 0 for this long 
 
 
 def requests():
-    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
     out = [(f"greedy-{i}", p, greedy) for i, p in enumerate(PROMPTS)]
@@ -72,7 +72,7 @@ def main(argv: list[str]) -> None:
         result["num_devices"] = jax.device_count()
     else:
         port, rank = argv[3:5]
-        from jaxserve.engine import multihost
+        from jaxserve.worker import multihost
 
         args = EngineArgs(model=model_dir, tensor_parallel_size=2, num_hosts=2, host_rank=int(rank),
                           coordinator=f"127.0.0.1:{port}", **ENGINE)

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxserve.engine.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
+from jaxserve.core.block_pool import BlockPool, hash_block_tokens, hash_request_blocks
 
 
 def test_no_jax_import() -> None:
     # The host side must stay importable and testable without JAX (DESIGN.md, style 2).
-    code = ("import sys, jaxserve.engine.scheduler, jaxserve.engine.kv_cache_manager; "
+    code = ("import sys, jaxserve.core.scheduler, jaxserve.core.kv_cache_manager; "
             "assert 'jax' not in sys.modules, 'scheduler imports jax'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

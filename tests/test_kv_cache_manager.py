@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxserve.engine.kv_cache_manager import KVCacheManager
+from jaxserve.core.kv_cache_manager import KVCacheManager
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS = 12, 4, 8
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from jaxserve.engine.batch import StepInput, pack
-from jaxserve.engine.scheduler_types import ScheduledRequest, SchedulerOutput
+from jaxserve.worker.input_batch import StepInput, pack
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxserve.models import llama, quant
 from jaxserve.models.attention import kv_pool_dtype
 from jaxserve.models.config import ModelConfig

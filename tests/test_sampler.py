@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.engine.sampler import (TOP_FILTER_CANDIDATES, _top_k_top_p_threshold,
+from jaxserve.sample.sampler import (TOP_FILTER_CANDIDATES, _top_k_top_p_threshold,
                                      apply_top_filters, gumbel_noise, sample)
-from jaxserve.engine.sampling_metadata import (MAX_LOGIT_BIAS, MAX_SUPPRESS_IDS, RowInfo,
+from jaxserve.sample.sampling_metadata import (MAX_LOGIT_BIAS, MAX_SUPPRESS_IDS, RowInfo,
                                                SamplingMetadata)
-from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 MAX_MODEL_LEN = 32
 VOCAB = 128  # one vocabulary size for most tests: fewer distinct compilations
@@ -205,7 +205,7 @@ def test_penalties_match_numpy():
     refs.append(logits[7].astype(np.float64))
     md = SamplingMetadata.build(rows, 8, MAX_MODEL_LEN)
     assert md.use_penalties and md.all_greedy and md.token_history.shape == (8, MAX_MODEL_LEN)
-    from jaxserve.engine.sampler import apply_penalties
+    from jaxserve.sample.sampler import apply_penalties
 
     got = np.asarray(jax.jit(apply_penalties)(jnp.asarray(logits), md))
     np.testing.assert_allclose(got, np.stack(refs), rtol=1e-5, atol=1e-5)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import (ModelOutput, SampledToken, Scheduler, SchedulerConfig,
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import (ModelOutput, SampledToken, Scheduler, SchedulerConfig,
                                        SchedulerOutput)
 
 VOCAB = 50

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from jaxserve.engine.args import EngineArgs
-from jaxserve.engine.request import Request
-from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import ModelOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.engine.spec_decode import SpeculativeConfig, propose_ngram
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import ModelOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.spec_decode import SpeculativeConfig, propose_ngram
 
 EOS = 0
 VOCAB = 40

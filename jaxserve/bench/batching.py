@@ -79,7 +79,7 @@ def run_mode(engine, requests: list[ds.SampleRequest], mode: str, batch_size: in
              progress: bool = True) -> dict[str, object]:
     """`continuous` (all at once), `static` (batches of `batch_size`, each run to its end) or
     `static-padded` (the same, every member decoding to the batch's longest length) on `engine`."""
-    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine must be idle")

@@ -19,7 +19,7 @@ PERCENTILES = (10, 25, 50, 75, 90, 99)
 
 def run_latency(llm, batch_size: int, input_len: int, output_len: int, num_iters: int, num_iters_warmup: int,
                 *, seed: int = 0, progress: bool = True) -> dict[str, object]:
-    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     reqs = ds.random_requests(ds.HFTokenizer(llm.get_tokenizer()), batch_size, input_len, output_len, seed=seed)
     prompts = [{"prompt_token_ids": r.prompt} for r in reqs]

@@ -43,7 +43,7 @@ def make_llm(args: argparse.Namespace, model=None, **defaults: object):
 
 def run_throughput(llm, requests: list[ds.SampleRequest], *, progress: bool = True,
                    temperature: float = 0.0) -> dict[str, object]:
-    from jaxserve.engine.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=temperature, max_tokens=r.expected_output_len, ignore_eos=True)
               for r in requests]

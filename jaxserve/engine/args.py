@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from jaxserve.engine.spec_decode import SpeculativeConfig
+from jaxserve.core.spec_decode import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

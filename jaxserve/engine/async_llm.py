@@ -22,7 +22,7 @@ from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)

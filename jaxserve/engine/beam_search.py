@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Generator
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass

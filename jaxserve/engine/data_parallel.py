@@ -13,9 +13,9 @@ from jaxserve import parallel
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.async_llm import AsyncLLM
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.model_runner import num_compilations
+from jaxserve.worker.model_runner import num_compilations
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
 from jaxserve.weights.loader import LoadedModel, load_model
 

@@ -25,15 +25,15 @@ from jax.sharding import Mesh
 from jaxserve import parallel
 from jaxserve.engine import output_processor as op
 from jaxserve.engine.args import EngineArgs
-from jaxserve.engine.kv_sizing import needs_profile, num_device_blocks
-from jaxserve.engine.model_runner import (ModelRunner, RunnerConfig, activation_bytes, kv_bytes_per_block,
+from jaxserve.worker.kv_sizing import needs_profile, num_device_blocks
+from jaxserve.worker.model_runner import (ModelRunner, RunnerConfig, activation_bytes, kv_bytes_per_block,
                                           num_compilations)
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler import Scheduler
-from jaxserve.engine.scheduler_types import SchedulerConfig
-from jaxserve.engine.spec_decode import SpeculativeConfig
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.scheduler_output import SchedulerConfig
+from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params

@@ -10,9 +10,9 @@ from transformers import PreTrainedTokenizerBase
 
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 from jaxserve.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxserve.engine.request import Request
-from jaxserve.engine.sampling_params import SamplingParams
-from jaxserve.engine.scheduler_types import SampledToken
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler_output import SampledToken
 
 
 @dataclass

@@ -12,7 +12,7 @@ from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.weights.loader import LoadedModel
 
 

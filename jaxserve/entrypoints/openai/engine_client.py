@@ -12,7 +12,7 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from jaxserve.engine.outputs import RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
 
 

@@ -18,7 +18,7 @@ import anyio
 from pydantic import BaseModel
 
 from jaxserve.engine.outputs import LogprobsDict, RequestOutput
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.openai.engine_client import EngineClient
 from jaxserve.entrypoints.openai.errors import OpenAIError, from_value_error
 from jaxserve.entrypoints.openai.metrics import ServerMetrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jaxserve.engine.spec_decode import SpeculativeConfig
+from jaxserve.core.spec_decode import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

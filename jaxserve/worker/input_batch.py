@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxserve.engine.scheduler_types import SchedulerOutput
+from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.models.attention import AttentionMetadata
 
 

@@ -31,11 +31,11 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 
-from jaxserve.engine.kv_cache_manager import KVCacheManager
-from jaxserve.engine.request import Request, RequestStatus
-from jaxserve.engine.scheduler_types import (ModelOutput, SampledToken, ScheduledRequest,
+from jaxserve.core.kv_cache_manager import KVCacheManager
+from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.scheduler_output import (ModelOutput, SampledToken, ScheduledRequest,
                                              SchedulerConfig, SchedulerOutput, SchedulerStats)
-from jaxserve.engine.spec_decode import propose_ngram
+from jaxserve.core.spec_decode import propose_ngram
 
 __all__ = ["ModelOutput", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]

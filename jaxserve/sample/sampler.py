@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from jaxserve.engine.sampling_metadata import SamplingMetadata
-from jaxserve.engine.sampling_params import MAX_LOGPROBS
+from jaxserve.sample.sampling_metadata import SamplingMetadata
+from jaxserve.core.sampling_params import MAX_LOGPROBS
 
 _GREEDY_EPS = 1e-5  # same threshold as SamplingParams.greedy
 # Width of the partial sort that top_k / top_p use before falling back to a full sort.

@@ -15,7 +15,7 @@ Pure Python, no JAX.
 
 from __future__ import annotations
 
-from jaxserve.engine.block_pool import BlockHash, BlockPool, hash_request_blocks
+from jaxserve.core.block_pool import BlockHash, BlockPool, hash_request_blocks
 
 
 def cdiv(a: int, b: int) -> int:

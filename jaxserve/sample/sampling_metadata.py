@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jaxserve.engine.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 # Per-row caps on the sparse inputs. They are static shapes; the builder
 # raises ValueError beyond them (the engine should check at admission too).

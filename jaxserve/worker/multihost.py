@@ -32,8 +32,8 @@ import jax
 
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.engine.model_runner import ModelRunner, PreparedStep
-from jaxserve.engine.scheduler_types import ModelOutput
+from jaxserve.worker.model_runner import ModelRunner, PreparedStep
+from jaxserve.core.scheduler_output import ModelOutput
 
 log = logging.getLogger(__name__)
 _PREFIX = "jaxserve"

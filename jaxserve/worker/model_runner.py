@@ -31,11 +31,11 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.engine.batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
-from jaxserve.engine.request import Request
-from jaxserve.engine.sampler import SamplerOutput, compute_logprobs, sample
-from jaxserve.engine.sampling_metadata import RowInfo, SamplingMetadata
-from jaxserve.engine.scheduler_types import ModelOutput, SampledToken, SchedulerOutput
+from jaxserve.worker.input_batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
+from jaxserve.core.request import Request
+from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
+from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata
+from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.models.attention import kv_pool_dtype, make_kv_cache
 from jaxserve.weights.loader import LoadedModel
