@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,10 @@ import pallas_kernels
 from pallas_kernels.common import BF16_BITS
 
 BACKENDS = ("reference", "pallas")
+# The Pallas kernels in interpret mode (a CPU run of the kernels' own code), for tests only: not in
+# BACKENDS, so no user option reaches it; RunnerConfig(backend=PALLAS_INTERPRET) does.
+PALLAS_INTERPRET = "pallas-interpret"
+PALLAS_BACKENDS = ("pallas", PALLAS_INTERPRET)
 
 
 @jax.tree_util.register_dataclass
@@ -21,6 +25,11 @@ class AttentionMetadata:
     block_tables: jax.Array  # [max_num_seqs, max_blocks_per_seq] i32
     cu_q_lens: jax.Array  # [max_num_seqs + 1] i32: prefix sums of new-token counts
     num_seqs: jax.Array  # [1] i32: how many rows of the above are real
+    # Static (part of the tree structure, so a separate compiled program): every sequence has
+    # exactly one new token, token row i is sequence i. The Pallas backend then runs the decode
+    # kernel, whose grid (sequence, kv head, split) fits such steps; the ragged kernel's query
+    # tiles reached only 41-77% of copy bandwidth there (BENCHMARKS.md, "First GPU run").
+    decode_only: bool = field(default=False, metadata=dict(static=True))
 
 
 def resolve_backend(name: str) -> str:
@@ -35,17 +44,37 @@ def resolve_backend(name: str) -> str:
 def write_kv(backend: str, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k_cache, v_cache: [num_layers, num_kv_heads, num_blocks, block_size, head_dim]; k, v: [T, num_kv_heads, head_dim]."""
-    fn = pallas_kernels.write_kv if backend == "pallas" else pallas_kernels.write_kv_reference
-    return fn(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
+    if backend in PALLAS_BACKENDS:
+        return pallas_kernels.write_kv(k_cache, v_cache, k, v, md.slot_mapping, layer=layer,
+                                       interpret=backend == PALLAS_INTERPRET)
+    return pallas_kernels.write_kv_reference(k_cache, v_cache, k, v, md.slot_mapping, layer=layer)
 
 
 def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
            layer: jax.Array, *, sm_scale: float, sliding_window: int | None) -> jax.Array:
     """q: [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim], causal over each sequence's paged context."""
-    fn = (pallas_kernels.ragged_paged_attention if backend == "pallas"
-          else pallas_kernels.ragged_paged_attention_reference)
-    return fn(q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-              sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
+    if backend in PALLAS_BACKENDS:
+        kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer,
+                  interpret=backend == PALLAS_INTERPRET)
+        if md.decode_only:
+            kv_lens, tables = _decode_rows(md, q.shape[0])
+            return pallas_kernels.paged_attention_decode(q, k_cache, v_cache, kv_lens, tables, **kw)
+        return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, md.kv_lens, md.block_tables,
+                                                     md.cu_q_lens, md.num_seqs, **kw)
+    return pallas_kernels.ragged_paged_attention_reference(
+        q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+        sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
+
+
+def _decode_rows(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+    """kv_lens [T], block_tables [T, max_blocks] for a decode-only step of T (padded) tokens: row i
+    is sequence i; rows past num_seqs have kv_len 0 (the kernel writes 0 there). T is static, so
+    this is a static slice or zero pad of the max_num_seqs rows."""
+    n = md.kv_lens.shape[0]
+    if num_tokens <= n:
+        return md.kv_lens[:num_tokens], md.block_tables[:num_tokens]
+    return (jnp.pad(md.kv_lens, (0, num_tokens - n)),
+            jnp.pad(md.block_tables, ((0, num_tokens - n), (0, 0))))
 
 
 def kv_values_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:

@@ -1,12 +1,11 @@
 """The device side of a step: block copies/swaps, the jitted model step, the jitted sampler.
 
 Two programs run per step, both compiled during warm-up:
-    model_step[T]        (params, kv, batch) -> kv (donated, updated in place), hidden [P, hidden]
-                         hidden rows are the sampling tokens' last positions, P = max seq bucket
+    model_step[T, decode_only]  (params, kv, batch) -> kv (donated, in place), hidden [P, hidden] at the
+                         sampling tokens' last positions, P = max seq bucket; decode_only: Pallas only
     sample_step[S, var]  (params, hidden, sampling metadata) -> tokens, logprobs  (LM head on S rows)
-Splitting them keeps the compile grid small: the model compiles once per token
-bucket T, and the LM head plus sampler once per (seq bucket S, sampler variant),
-instead of the product of all three.
+Splitting them keeps the compile grid small: the model compiles once per token bucket T (and
+decode-only bucket), the LM head plus sampler once per (seq bucket S, sampler variant), not the product.
 
 A step is `execute = run(prepare(...))`:
     prepare(sched_out) -> PreparedStep      host only: numpy batch, block ops, sampler inputs
@@ -31,12 +30,13 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.worker.input_batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
+from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, pallas_token_buckets,
+                                         step_seq_buckets, step_token_buckets)
 from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models import llama
-from jaxserve.models.attention import kv_pool_dtype, make_kv_cache
+from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
 from jaxserve.weights.loader import LoadedModel
 
 PROMPT_LOGPROB_ROWS = 64  # prompt positions per prompt-logprobs program call
@@ -161,7 +161,10 @@ class ModelRunner:
                                     self.cfg.head_dim, dtype)
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
-        self.token_buckets = step_token_buckets(rc.max_num_batched_tokens)
+        pallas = rc.backend in PALLAS_BACKENDS
+        self.token_buckets = (pallas_token_buckets if pallas else step_token_buckets)(rc.max_num_batched_tokens)
+        top = bucket_for(min(rc.max_num_seqs, self.token_buckets[-1]), self.token_buckets)  # most decode tokens
+        self.decode_buckets = [t for t in self.token_buckets if pallas and t <= top]
         self.seq_buckets = step_seq_buckets(rc.max_num_seqs)
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
@@ -180,7 +183,8 @@ class ModelRunner:
         before = num_compilations()
         variants = [(s, md) for s in self.seq_buckets
                     for md in SamplingMetadata.warmup_variants(s, self.rc.max_model_len)]
-        total = len(self.token_buckets) + len(variants) + (3 if self.host_kv is not None else 1)
+        programs = [(t, False) for t in self.token_buckets[1:]] + [(t, True) for t in self.decode_buckets]
+        total = 1 + len(programs) + len(variants) + (3 if self.host_kv is not None else 1)
         with tqdm(total=total, desc="Warm-up (compiling buckets)", unit="program", disable=not progress) as bar:
             q_rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
             rows = np.zeros(self.num_rows, np.int32)
@@ -191,8 +195,8 @@ class ModelRunner:
             self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows)
             _gather_rows(full, q_rows)
             bar.update(1)
-            for t in self.token_buckets[1:]:
-                _model_step.lower(self.params, self.kv, self._empty_batch(t), rows, cfg=self.cfg,
+            for t, decode in programs:  # decode: a decode-only step's program (Pallas: the decode kernel)
+                _model_step.lower(self.params, self.kv, self._empty_batch(t, decode), rows, cfg=self.cfg,
                                   backend=self.rc.backend).compile()
                 # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
@@ -212,8 +216,9 @@ class ModelRunner:
         jax.block_until_ready(self.kv)
         return num_compilations() - before
 
-    def _empty_batch(self, num_tokens: int) -> StepInput:
-        batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
+    def _empty_batch(self, num_tokens: int, decode_only: bool = False) -> StepInput:
+        batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq,
+                        self.rc.block_size, decode_only)
         return batch
 
     def _input(self, tree):
@@ -230,7 +235,8 @@ class ModelRunner:
         if not out.scheduled:
             return PreparedStep(**ops)
         t = bucket_for(out.num_batched_tokens, self.token_buckets)
-        batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
+        batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
+                                  decode_only=bool(self.decode_buckets) and is_decode_only(out))
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = _prompt_logprob_chunks(out)
