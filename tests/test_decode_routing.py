@@ -47,9 +47,9 @@ def test_is_decode_only_and_pack_flag():
         pack(mixed, 16, 4, 4, 16, decode_only=True)
 
 
-def _generate(backend: str, monkeypatch) -> tuple[list[list[int]], list[bool]]:
+def _generate(backend: str, max_num_seqs: int, monkeypatch) -> tuple[list[list[int]], list[bool]]:
     monkeypatch.setattr(llm_engine, "resolve_backend", lambda name: backend)
-    llm = LLM(random_model(CFG), progress=False, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+    llm = LLM(random_model(CFG), progress=False, dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
               max_model_len=128, num_gpu_blocks_override=64, enable_prefix_caching=False, compilation_cache_dir="")
     runner = llm.llm_engine.runner
     flags: list[bool] = []
@@ -68,9 +68,11 @@ def _generate(backend: str, monkeypatch) -> tuple[list[list[int]], list[bool]]:
     return [o.outputs[0].token_ids for o in outs], flags
 
 
-def test_engine_pallas_decode_routing_matches_xla(monkeypatch):
-    want, xla_flags = _generate("reference", monkeypatch)
-    got, flags = _generate(attention.PALLAS_INTERPRET, monkeypatch)
+# 8 sequence rows: a decode step's 16 token rows pad the metadata; 32: they take its first 16 rows.
+@pytest.mark.parametrize("max_num_seqs", [8, 32])
+def test_engine_pallas_decode_routing_matches_xla(max_num_seqs, monkeypatch):
+    want, xla_flags = _generate("reference", max_num_seqs, monkeypatch)
+    got, flags = _generate(attention.PALLAS_INTERPRET, max_num_seqs, monkeypatch)
     assert not any(xla_flags)  # the XLA path has no decode-only programs
     assert any(flags) and not all(flags)  # prompt steps on the ragged kernel, decode steps on the decode kernel
     assert got == want
@@ -81,7 +83,8 @@ def test_decode_only_step_lowers_to_the_decode_kernel_for_cuda():
                           is_leaf=lambda x: isinstance(x, tuple))
     kv = tuple(jax.ShapeDtypeStruct((CFG.num_layers, CFG.num_kv_heads, 33, 16, CFG.head_dim), jnp.bfloat16)
                for _ in range(2))
-    out = SchedulerOutput([ScheduledRequest("a", [1], 20, [3, 4], True), ScheduledRequest("b", [2], 40, [5, 6, 7], True)], 2)
+    out = SchedulerOutput([ScheduledRequest("a", [1], 20, [3, 4], True),
+                           ScheduledRequest("b", [2], 40, [5, 6, 7], True)], 2)
 
     def lowered(decode_only: bool) -> str:
         batch, _ = pack(out, 16, 8, 8, 16, decode_only=decode_only)  # 16 token rows > 8 seq rows: padded

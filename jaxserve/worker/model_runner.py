@@ -30,8 +30,8 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, pallas_token_buckets,
-                                         step_seq_buckets, step_token_buckets)
+from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, pallas_decode_buckets,
+                                         pallas_seq_buckets, pallas_token_buckets, step_seq_buckets, step_token_buckets)
 from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
@@ -163,9 +163,8 @@ class ModelRunner:
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
         pallas = rc.backend in PALLAS_BACKENDS
         self.token_buckets = (pallas_token_buckets if pallas else step_token_buckets)(rc.max_num_batched_tokens)
-        top = bucket_for(min(rc.max_num_seqs, self.token_buckets[-1]), self.token_buckets)  # most decode tokens
-        self.decode_buckets = [t for t in self.token_buckets if pallas and t <= top]
-        self.seq_buckets = step_seq_buckets(rc.max_num_seqs)
+        self.decode_buckets = pallas_decode_buckets(rc.max_num_seqs, rc.max_num_batched_tokens) if pallas else []
+        self.seq_buckets = (pallas_seq_buckets if pallas else step_seq_buckets)(rc.max_num_seqs)
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
         host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
@@ -234,9 +233,10 @@ class ModelRunner:
         ops = dict(swap_out=list(out.swap_out), swap_in=list(out.swap_in), copy_blocks=list(out.copy_blocks))
         if not out.scheduled:
             return PreparedStep(**ops)
-        t = bucket_for(out.num_batched_tokens, self.token_buckets)
+        decode_only = bool(self.decode_buckets) and is_decode_only(out)  # Pallas: the decode kernel's programs
+        t = bucket_for(out.num_batched_tokens, self.decode_buckets if decode_only else self.token_buckets)
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
-                                  decode_only=bool(self.decode_buckets) and is_decode_only(out))
+                                  decode_only)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = _prompt_logprob_chunks(out)
