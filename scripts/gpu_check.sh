@@ -9,6 +9,7 @@
 #                      its warm-up is the COLD warm-up (e), with the compile breakdown
 #   c  step8b          decode step B=256 ctx 1k and B=1 vs (weights + KV)/copy bandwidth, routed (decode
 #                      kernel) vs ragged, and the in-place KV pool check on the GPU-compiled programs
+#      profile8b       the first run's 256 requests timed by step phase (schedule/prepare/model/sample/update)
 #   e  llama8b_restart a second process on the same persistent cache: the restart warm-up, then the
 #                      1,000 requests with --no-async-scheduling (the host-gap/async comparison), then
 #                      `bench batching`'s continuous vs static batching (f)
@@ -83,6 +84,7 @@ if [ "$SMOKE" = 1 ]; then  # tiny shapes; the four packages absent from the GPU 
   PAR="--num-prompts 8 --max-num-seqs 8 --max-num-batched-tokens 64 --num-gpu-blocks 256"
   BIGRUN="--workloads custom --num-prompts 16 --max-num-seqs 16 --max-num-batched-tokens 64 --num-gpu-blocks 512"
   STEP="--model tiny --dtype float32 --batches 4 1 --context 64 --reps 2 --copy-bytes 4194304"
+  PROF="--random-model tiny --dtype float32 --num-prompts 16 --max-num-seqs 16 --max-num-batched-tokens 64"
   KERN="--cpu-smoke"; COST="--model tiny --limit 1 --max-num-seqs 8 --max-num-batched-tokens 64"
 else
   SCALE=${SCALE:-1}
@@ -91,6 +93,8 @@ else
   PAR="--num-prompts 32 --output-median 64 --max-num-seqs 32 --max-num-batched-tokens 128 --num-gpu-blocks 4096"
   BIGRUN="--max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.5"
   STEP="--model llama-3.1-8b --batches 256 1 --context 1024 --reps 20"
+  PROF="--random-model llama-3.1-8b --dtype bfloat16 --attention-backend pallas --num-prompts 256
+        --max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.5"
   KERN="--skip-sweep"; COST="--model llama-3.1-8b --limit 2"
 fi
 F32="$SMALL --dtype float32 --highest-precision $PAR --num-compare 32 --workloads custom"
@@ -107,6 +111,8 @@ W1="sharegpt1000 first256"; W2="sharegpt1000 batching"
 stage llama8b 200 $E $BIG --backend $PALLAS $BIGRUN --workloads $W1 --num-compare 0 --async-scheduling
 # (c) one decode step against the hardware, and the in-place check on the GPU-compiled programs
 stage step8b 90 "$PYTHON" scripts/gpu_step.py $STEP --backend $PALLAS
+# Where a step's time goes, host phases vs device (same engine shape and cache as llama8b: no compiles)
+stage profile8b 75 "$PYTHON" scripts/profile_step.py $PROF --compilation-cache-dir "$CACHE"
 # (e) restart on the same cache, the other scheduling mode, then (f)
 stage llama8b_restart 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W2 --num-compare 0 --no-async-scheduling
 # (d) the kernels alone

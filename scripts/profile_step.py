@@ -48,6 +48,8 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default=EngineArgs.kv_cache_dtype, choices=KV_CACHE_DTYPES)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=EngineArgs.gpu_memory_utilization)
+    p.add_argument("--compilation-cache-dir", default=EngineArgs.compilation_cache_dir)
     p.add_argument("--random-model", default=None, metavar="SHAPE",
                    help="random weights of a shape in scripts/gpu_engine.py (smollm2-135m, llama-3.1-8b) "
                         "instead of --model: the GPU machine has no model files")
@@ -68,7 +70,9 @@ def main() -> None:
         model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         quantization=args.quantization, block_size=args.block_size, dtype=args.dtype,
-        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype), model=loaded)
+        attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization, compilation_cache_dir=args.compilation_cache_dir),
+        model=loaded)
     if loaded is not None:
         requests = gpu_engine.requests(args.num_prompts, loaded.config.vocab_size, args.seed,
                                        args.input_median, args.output_median, args.sigma)
@@ -136,6 +140,9 @@ def main() -> None:
               f"{med([r[0] for r in rows]):>8.1f} "
               + " ".join(f"{med([r[1].get(n, 0.0) for r in rows]):>9.1f}" for n in names)
               + f" {share:>6.0%}")
+        print(f"BRIEF {kind} steps (median of {len(rows)}, {statistics.median(r[2] for r in rows):.0f} tokens): "
+              f"{med([r[0] for r in rows]):.1f} ms = " + " + ".join(
+                  f"{n} {med([r[1].get(n, 0.0) for r in rows]):.1f}" for n in names) + f"; {share:.0%} of the run")
     decode = steps.get("decode only", [])
     if decode:  # how decode-only steps spread over token counts (the bucket grid's concern)
         edges = (0, 2, 4, 8, 16, 24, 32, 48, 64, 1 << 30)
