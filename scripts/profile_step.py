@@ -95,7 +95,7 @@ def main() -> None:
     sched.schedule = timed("schedule", sched.schedule)
     runner.prepare = timed("prepare", runner.prepare)
     runner._model_step = timed("model", runner._model_step, sync=True)
-    model_runner._sample_step = timed("sample", model_runner._sample_step)
+    runner._sample_step = timed("sample", runner._sample_step)
     model_runner._fetch = timed("sample", model_runner._fetch)  # the sampled tokens' device-to-host wait
 
     for i, r in enumerate(requests):
