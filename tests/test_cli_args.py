@@ -11,7 +11,6 @@ import pytest
 
 from jaxserve import cli
 from jaxserve.engine.args import EngineArgs
-from jaxserve.entrypoints import cli_args
 from jaxserve.entrypoints.cli_args import ConfigError, ServeConfig, add_serve_args, resolve
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -152,4 +151,6 @@ def test_missing_plugin_and_unknown_command(monkeypatch: pytest.MonkeyPatch) -> 
 def test_server_args_validation() -> None:
     with pytest.raises(ConfigError):
         parse(["--port", "70000"])
-    assert cli_args.ServerArgs().max_request_body_bytes > 0
+    with pytest.raises(ConfigError, match="max_request_body_bytes"):
+        parse(["--max-request-body-bytes", "0"])
+    assert parse(["--max-request-body-bytes", "1024"]).server.max_request_body_bytes == 1024
