@@ -27,7 +27,7 @@ def test_defaults_match_engine_args() -> None:
     assert (config.server.host, config.server.port, config.server.api_key) == ("0.0.0.0", 8000, None)
 
 
-def test_issue_flags() -> None:
+def test_vllm_serve_flags() -> None:
     config = parse(["my-model", "--host", "127.0.0.1", "--port", "9000", "--served-model-name", "m",
                     "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
                     "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--enable-chunked-prefill",

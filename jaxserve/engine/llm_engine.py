@@ -198,7 +198,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished_requests()
 
-    has_unfinished = has_unfinished_requests  # the short name the engine issue uses
+    has_unfinished = has_unfinished_requests  # short alias for `while engine.has_unfinished():` loops
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
