@@ -75,7 +75,8 @@ def test_bench_batching(tmp_path, capsys):
         cont["output_tokens_per_second"] / padded["output_tokens_per_second"])
     assert padded["mean_running"] > static["mean_running"]  # finished members keep their row until the batch ends
     assert res["num_compilations_after_warmup"] == 0
-    assert f"continuous / static output tokens/s: {res['speedup_continuous_over_static']:.2f}x" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"continuous / static output tokens/s: {res['speedup_continuous_over_static']:.2f}x" in printed
 
 
 def test_bench_sweep_throughput(tmp_path, jax_default_model):
@@ -88,6 +89,8 @@ def test_bench_sweep_throughput(tmp_path, jax_default_model):
     res = run_sweep(args, model=jax_default_model)
     assert [r["value"] for r in res["rows"]] == [4, 8]
     assert all(r["output_throughput"] > 0 and r["p99_ttft_ms"] > 0 for r in res["rows"])
+    best = max(res["rows"], key=lambda r: r["output_throughput"])  # the batch workload takes the fastest value
+    assert f"max-num-seqs={best['value']} " in res["recommendation"]["batch"]
     assert "max-num-seqs=" in res["recommendation"]["chat"]
     for p in res["plots"]:
         assert open(p, "rb").read(4) == b"\x89PNG"
