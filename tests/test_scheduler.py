@@ -99,6 +99,7 @@ def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: in
     """Drive schedule/execute/update; `arrivals` are (step, request) pairs."""
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     pending = sorted(arrivals, key=lambda a: a[0])
+    by_id = {r.request_id: r for _, r in arrivals}
     done: dict[str, Request] = {}
     steps = []
     for step in range(max_steps):
@@ -120,8 +121,11 @@ def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: in
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
         steps.append(out)
-        for req in sched.update(out, runner.execute(out)):
-            if req.is_finished:
+        for update in sched.update(out, runner.execute(out)):
+            req = by_id[update.request_id]
+            assert req.output_token_ids[-len(update.new_tokens):] == [t.token_id for t in update.new_tokens]
+            assert update.finished == req.is_finished
+            if update.finished:
                 done[req.request_id] = req
     else:
         raise AssertionError("requests did not finish")

@@ -46,6 +46,9 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     # Set for the 2nd..nth parallel sample: the request id of the first sample.
     parent_id: str | None = None
+    # The sampler's seed: SamplingParams.seed (+ the sample's index for n > 1), or one the engine
+    # drew at admission. Row keys are fold_in(key(seed), output index): batch-independent.
+    seed: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     # Tokens whose KV is in the cache (device or, while swapped, host).
     num_computed_tokens: int = 0

@@ -33,11 +33,11 @@ from collections.abc import Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler_output import (ModelOutput, SampledToken, ScheduledRequest,
-                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
+from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
+                                            SchedulerConfig, SchedulerOutput, SchedulerStats)
 from jaxserve.core.spec_decode import propose_ngram
 
-__all__ = ["ModelOutput", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
+__all__ = ["ModelOutput", "RequestUpdate", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
 
 
@@ -61,6 +61,8 @@ class Scheduler:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -292,11 +294,16 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int, drafts: list[int] = ()) -> None:
         start = req.num_computed_tokens
+        params = req.sampling_params
         out.scheduled.append(ScheduledRequest(
             request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new) + list(drafts),
             start_pos=start,
             block_ids=list(self.kv.get_block_ids(req.request_id)),
-            sample=start + num_new == req.num_tokens, num_drafts=len(drafts)))
+            sample=start + num_new == req.num_tokens, num_drafts=len(drafts),
+            sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
+            num_output_tokens=req.num_output_tokens,
+            output_token_ids=req.output_token_ids if params.needs_penalties else []))
+        self.num_prompt_tokens += max(0, min(start + num_new, req.num_prompt_tokens) - start)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """`victim` is already out of `running`. Swap it out, else recompute later."""
@@ -316,38 +323,24 @@ class Scheduler:
         out.preempted_ids.append(victim.request_id)
 
     # -- results ------------------------------------------------------------
-    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        bs = self.config.block_size
-        changed: list[Request] = []
+    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[RequestUpdate]:
+        """Apply a step's sampled tokens: per request that sampled, the tokens it accepted and
+        whether that ended it. Results of requests aborted since `schedule()` are dropped."""
+        updates: list[RequestUpdate] = []
         finished: list[Request] = []
         for sched in out.scheduled:
             req = self.requests.get(sched.request_id)
-            # Aborted (or re-added) between schedule() and update(): drop its results.
             if req is None or req.status != RequestStatus.RUNNING or req.num_computed_tokens != sched.start_pos:
                 continue
-            num_drafts = sched.num_drafts
-            req.num_computed_tokens += len(sched.token_ids) - num_drafts
+            req.num_computed_tokens += len(sched.token_ids) - sched.num_drafts
             if sched.sample:
-                token = model_output.sampled.get(req.request_id)
-                if token is None:  # it would sit forever with nothing left to compute
-                    raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
-                tokens = [token]
-                if num_drafts:
-                    tokens += model_output.draft_sampled[req.request_id]
-                    drafts = sched.token_ids[-num_drafts:]
-                    self.spec_num_drafts += 1
-                    self.spec_num_draft_tokens += num_drafts
-                changed.append(req)
-                for j, tok in enumerate(tokens):
-                    req.output_token_ids.append(tok.token_id)
-                    if req.check_stop(self.config.max_model_len):
-                        finished.append(req)
-                        break
-                    if j == num_drafts or drafts[j] != tok.token_id:
-                        break
-                    # The model's token is draft j: its KV, computed this step, holds.
-                    req.num_computed_tokens += 1
-                    self.spec_num_accepted_tokens += 1
+                accepted = self._accept(req, sched, model_output)
+                self.num_generation_tokens += len(accepted)
+                updates.append(RequestUpdate(req.request_id, accepted, req.finish_reason, req.stop_reason,
+                                             req.num_cached_tokens))
+                if req.is_finished:
+                    finished.append(req)
+            bs = self.config.block_size
             if self.config.enable_prefix_caching and req.num_computed_tokens // bs > sched.start_pos // bs:
                 self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
         if finished:
@@ -357,7 +350,31 @@ class Scheduler:
         self._fork_pending()
         for req in finished:
             self._release(req)
-        return changed
+        return updates
+
+    def _accept(self, req: Request, sched: ScheduledRequest, model_output: ModelOutput) -> list[SampledToken]:
+        """Append the sampled token, then each draft-row token while the model agreed with the
+        draft before it; stop at the first stop condition. Returns the tokens appended."""
+        token = model_output.sampled.get(req.request_id)
+        if token is None:  # it would sit forever with nothing left to compute
+            raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
+        num_drafts = sched.num_drafts
+        tokens = [token]
+        drafts = sched.token_ids[len(sched.token_ids) - num_drafts:]
+        if num_drafts:
+            tokens += model_output.draft_sampled[req.request_id]
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += num_drafts
+        accepted = []
+        for j, tok in enumerate(tokens):
+            req.output_token_ids.append(tok.token_id)
+            accepted.append(tok)
+            if req.check_stop(self.config.max_model_len) or j == num_drafts or drafts[j] != tok.token_id:
+                break
+            # The model's token is draft j: its KV, computed this step, holds.
+            req.num_computed_tokens += 1
+            self.spec_num_accepted_tokens += 1
+        return accepted
 
     # -- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -377,4 +394,5 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions, spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens)
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)

@@ -9,8 +9,9 @@ bucket T, and the LM head plus sampler once per (seq bucket S, sampler variant),
 instead of the product of all three.
 
 A step is `execute = run(prepare(...))`:
-    prepare(sched_out, requests, seeds) -> PreparedStep   host only: numpy batch, block ops, sampler inputs
-    run(prepared) -> ModelOutput                           device only: the same programs in the same order
+    prepare(sched_out) -> PreparedStep      host only: numpy batch, block ops, sampler inputs
+    run(prepared) -> ModelOutput            device only: the same programs in the same order
+The scheduler's output is all `prepare` reads: it never sees a live Request.
 so a multi-host run (engine/multihost.py) builds the PreparedStep on rank 0, sends it to
 every other rank, and all ranks call `run` on it (JAX's multi-controller model).
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,8 @@ from tqdm.auto import tqdm
 
 from jaxserve import parallel
 from jaxserve.worker.input_batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
-from jaxserve.core.request import Request
 from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
-from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata
+from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.models.attention import kv_pool_dtype, make_kv_cache
@@ -222,11 +221,10 @@ class ModelRunner:
         return jax.device_get(tree) if self.multi_process else jax.device_put(tree)
 
     # ---- one step --------------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request], seeds: Mapping[str, int]) -> ModelOutput:
-        return self.run(self.prepare(out, requests, seeds))
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.run(self.prepare(out))
 
-    def prepare(self, out: SchedulerOutput, requests: Mapping[str, Request],
-                seeds: Mapping[str, int]) -> PreparedStep:
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
         """Everything host-side: pack the batch, pick the sampling rows, build the sampler inputs."""
         ops = dict(swap_out=list(out.swap_out), swap_in=list(out.swap_in), copy_blocks=list(out.copy_blocks))
         if not out.scheduled:
@@ -235,18 +233,18 @@ class ModelRunner:
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
-        prompt_lps = self._prompt_logprob_chunks(out, requests)
+        prompt_lps = _prompt_logprob_chunks(out)
         infos, sample_ids = [], []
         for sr in out.scheduled:
             if not sr.sample:
                 continue
-            r = requests[sr.request_id]
+            params, outputs = sr.sampling_params, sr.output_token_ids
             drafts = sr.token_ids[len(sr.token_ids) - sr.num_drafts:]
             for j in range(sr.num_drafts + 1):  # row j: as if drafts[:j] were already accepted
-                outputs = r.output_token_ids + drafts[:j] if j else r.output_token_ids
-                infos.append(RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens + j,
-                                     r.prompt_token_ids, outputs))
-                sample_ids.append((r.request_id, r.sampling_params.logprobs or 0, j))
+                infos.append(RowInfo(params, sr.seed, sr.num_output_tokens + j, sr.prompt_token_ids,
+                                     outputs + drafts[:j] if j else outputs,
+                                     min_tokens_suppress_ids(params, sr.num_output_tokens + j)))
+                sample_ids.append((sr.request_id, params.logprobs or 0, j))
         if not infos:
             return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps)
         md = SamplingMetadata.build_host(infos, bucket_for(len(infos), self.seq_buckets), self.rc.max_model_len)
@@ -272,30 +270,6 @@ class ModelRunner:
             else:
                 result.draft_sampled.setdefault(rid, []).append(token)
         return result
-
-    def _prompt_logprob_chunks(self, out: SchedulerOutput,
-                               requests: Mapping[str, Request]) -> list[PromptLogprobChunk]:
-        """Which of this step's rows score prompt tokens 1.. for requests that asked, in program-sized chunks."""
-        wanted = []  # (request id, prompt position of the target token, flat row, target id, top-N)
-        row = 0
-        for sr in out.scheduled:
-            req = requests[sr.request_id]
-            prompt = req.prompt_token_ids
-            n = req.sampling_params.prompt_logprobs
-            if n is not None:
-                for j in range(len(sr.token_ids)):
-                    pos = sr.start_pos + j
-                    if pos + 1 < len(prompt):
-                        wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1], n))
-            row += len(sr.token_ids)
-        chunks = []
-        for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
-            rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-            targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-            rows[: len(chunk)] = [c[2] for c in chunk]
-            targets[: len(chunk)] = [c[3] for c in chunk]
-            chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
-        return chunks
 
     def _prompt_logprobs(self, chunks: list[PromptLogprobChunk],
                          hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
@@ -344,6 +318,28 @@ class ModelRunner:
             k[:, :, : len(chunk)] = self.host_kv[0][:, :, host_ids]
             v[:, :, : len(chunk)] = self.host_kv[1][:, :, host_ids]
             self.kv = _scatter_blocks(self.kv, dev, k, v)
+
+
+def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:
+    """Which of this step's rows score prompt tokens 1.. for requests that asked, in program-sized chunks."""
+    wanted = []  # (request id, prompt position of the target token, flat row, target id, top-N)
+    row = 0
+    for sr in out.scheduled:
+        prompt, n = sr.prompt_token_ids, sr.sampling_params.prompt_logprobs
+        if n is not None:
+            for j in range(len(sr.token_ids)):
+                pos = sr.start_pos + j
+                if pos + 1 < len(prompt):
+                    wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1], n))
+        row += len(sr.token_ids)
+    chunks = []
+    for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
+        rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+        targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+        rows[: len(chunk)] = [c[2] for c in chunk]
+        targets[: len(chunk)] = [c[3] for c in chunk]
+        chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
+    return chunks
 
 
 def _sampled(so: SamplerOutput, i: int, token_id: int, num_top: int) -> SampledToken:
