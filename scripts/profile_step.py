@@ -1,6 +1,6 @@
 """Where a serving step's time goes: the engine on a log-normal workload, timed by phase.
 
-Runs LLMEngine (the default model unless --model) on the performance issue's
+Runs LLMEngine (the default model unless --model) on BENCHMARKS.md's
 workload shape (log-normal prompt and output lengths, all requests at t=0,
 greedy, ignore_eos) and times each phase of every step with wall clocks:
 

@@ -189,7 +189,7 @@ class LLMEngine:
         # (An async step still in flight once every request finished has nothing left to tell.)
         return bool(self.outputs.groups) or self.scheduler.has_unfinished_requests()
 
-    has_unfinished = has_unfinished_requests  # the short name the engine issue uses
+    has_unfinished = has_unfinished_requests  # short alias for `while engine.has_unfinished():` loops
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, progress: bool = True) -> "LLMEngine":
