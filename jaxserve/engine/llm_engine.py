@@ -13,6 +13,7 @@ prompt blocks. The output processor gathers them back into one RequestOutput.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import functools
 import time
@@ -108,6 +109,11 @@ class LLMEngine:
         self.runner.warmup(progress)
         self.warmup_seconds = time.perf_counter() - t1
         self.compilations_at_warmup = num_compilations()
+        # Everything allocated so far (weights' host copies, JAX, transformers) lives as long as
+        # the engine: out of the collector's sight, a full collection no longer walks millions of
+        # objects every few dozen steps (at 256 running requests it had cost ~8 ms a step).
+        gc.collect()
+        gc.freeze()
         self._rng = np.random.default_rng(args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
         self.async_scheduling = _use_async_scheduling(args)
