@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should check (issue 19), in ONE call, most important first, each stage under
+# Everything a lent GPU should check, in ONE call, most important first, each stage under
 # its own time limit inside one deadline (DEADLINE, default 540 s); writes $OUT/summary.txt (one line
 # per check) and $OUT/logs.txt (every stage's log).
 #   a  parity          engine greedy parity, Pallas vs XLA attention, float32 without TF32, 32 requests,
@@ -14,12 +14,13 @@
 #                      1,000 requests with --no-async-scheduling (the host-gap/async comparison), then
 #                      `bench batching`'s continuous vs static batching (f)
 #   d  kernels         decode vs ragged kernels on decode batches vs copy bandwidth (scripts/gpu_check.py)
-#   hooks              scripts/gpu_quant.py, scripts/host_gap.py: run when present (other helpers' work)
+#   host_gap           scripts/bench_host_gap.py at the 8B shape: the device's wait between steps, sync vs async
+#   quant              scripts/gpu_quant.py, when present
 #   warmup_cost        per-program compile time of the 8B grid on the GPU (scripts/warmup_cost.py)
 # Needs python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm, pyyaml (the H200 image has
 # them; NOT pydantic, gguf, starlette, uvicorn: the engine path used here must not import those).
-# If jaxserve ever needs pydantic on this path, carry wheels (/work/.library/device/README.md), from
-# the repo root here:
+# If jaxserve ever needs pydantic on this path: the GPU machine reaches no package index, so carry
+# wheels built for it (Python 3.12, x86-64 manylinux), fetched from the repo root here:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -65,7 +66,7 @@ stage() {  # stage NAME LIMIT_S CMD...: every BRIEF line of its log goes to the 
   local t0=$SECONDS
   timeout "$limit" "$@" 2>&1 | tee "$LOGS/$name.log" | grep -v -E "^\s*$|Warning|warn\(|^RESULT " | tail -n 40
   local rc=${PIPESTATUS[0]} briefs
-  briefs=$(grep -h "^BRIEF " "$LOGS/$name.log" | cut -c7-)
+  briefs=$(grep -h -E "^BRIEF |^host-gap " "$LOGS/$name.log" | sed 's/^BRIEF //')
   [ "$rc" = 124 ] && briefs="${briefs:+$briefs$'\n'}TIMED OUT at ${limit}s; last: $(grep -v '^\s*$' "$LOGS/$name.log" | tail -n 1 | cut -c1-200)"
   [ -z "$briefs" ] && briefs=$(grep -h -E "ALL PASS|SOME CHECKS FAILED|Error|error" "$LOGS/$name.log" | tail -n 1 | cut -c1-300)
   while IFS= read -r line; do SUMMARY+=("$name: rc=$rc $((SECONDS - t0))s $line"); done <<< "$briefs"
@@ -85,6 +86,7 @@ if [ "$SMOKE" = 1 ]; then  # tiny shapes; the four packages absent from the GPU 
   BIGRUN="--workloads custom --num-prompts 16 --max-num-seqs 16 --max-num-batched-tokens 64 --num-gpu-blocks 512"
   STEP="--model tiny --dtype float32 --batches 4 1 --context 64 --reps 2 --copy-bytes 4194304"
   PROF="--random-model tiny --dtype float32 --num-prompts 16 --max-num-seqs 16 --max-num-batched-tokens 64"
+  GAP="--random-model tiny --dtype float32 --num-seqs 16 --steps 5"
   KERN="--cpu-smoke"; COST="--model tiny --limit 1 --max-num-seqs 8 --max-num-batched-tokens 64"
 else
   SCALE=${SCALE:-1}
@@ -95,6 +97,7 @@ else
   STEP="--model llama-3.1-8b --batches 256 1 --context 1024 --reps 20"
   PROF="--random-model llama-3.1-8b --dtype bfloat16 --attention-backend pallas --num-prompts 256
         --max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.5"
+  GAP="--random-model llama-3.1-8b --dtype bfloat16 --num-seqs 256 --steps 30"
   KERN="--skip-sweep"; COST="--model llama-3.1-8b --limit 2"
 fi
 F32="$SMALL --dtype float32 --highest-precision $PAR --num-compare 32 --workloads custom"
@@ -115,11 +118,12 @@ stage step8b 90 "$PYTHON" scripts/gpu_step.py $STEP --backend $PALLAS
 stage profile8b 75 "$PYTHON" scripts/profile_step.py $PROF --compilation-cache-dir "$CACHE"
 # (e) restart on the same cache, the other scheduling mode, then (f)
 stage llama8b_restart 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W2 --num-compare 0 --no-async-scheduling
+# The device's wait between two steps at 256 decoding sequences, sync vs async
+[ -f scripts/bench_host_gap.py ] && stage host_gap 60 "$PYTHON" scripts/bench_host_gap.py $GAP
 # (d) the kernels alone
 stage kernels 60 "$PYTHON" scripts/gpu_check.py $KERN
-# Hooks: other helpers' GPU scripts, when their branches have landed.
+# Quantized engine figures, when that script has landed
 [ -f scripts/gpu_quant.py ] && stage quant 60 "$PYTHON" scripts/gpu_quant.py $([ "$SMOKE" = 1 ] && echo --smoke)
-[ -f scripts/host_gap.py ] && stage host_gap 45 "$PYTHON" scripts/host_gap.py $([ "$SMOKE" = 1 ] && echo --smoke)
 stage warmup_cost 45 env -u JAX_COMPILATION_CACHE_DIR "$PYTHON" scripts/warmup_cost.py $COST \
   --backend $([ "$SMOKE" = 1 ] && echo pallas-interpret || echo pallas)
 for f in "$LOGS"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt"
