@@ -78,16 +78,18 @@ def step_figures(model, backend: str, batch: int, context: int, copy_gbs: float,
     pool = runner.kv[0].shape
 
     def model_only(batch_in):
-        runner.kv, hidden, _ = runner._model_step(runner.params, runner.kv, batch_in, rows)
+        runner.kv, hidden, _ = runner._model_step(runner.params, runner.kv, batch_in, rows, runner._prev_tokens)
         return hidden
 
     variants = [("routed" if runner.decode_buckets else "xla", prepared.batch)]
     if compare_ragged and runner.decode_buckets:
-        forced, _ = pack(out, prepared.batch.token_ids.shape[0], rc.max_num_seqs, rc.max_blocks_per_seq, bs, False)
+        forced, _ = pack(out, prepared.batch.token_ids.shape[0], rc.max_num_seqs, rc.max_blocks_per_seq, bs,
+                         decode_only=False)
         variants.append(("ragged", forced))
     for name, b in variants:
         dev = jax.device_put(b)
-        compiled = mr._model_step.lower(runner.params, runner.kv, dev, rows, cfg=cfg, backend=backend).compile()
+        compiled = mr._model_step.lower(runner.params, runner.kv, dev, rows, runner._prev_tokens, cfg=cfg,
+                                        backend=backend).compile()
         problems = hlo_checks.compiled_problems(compiled, pool, runner.kv[0].dtype)
         print(f"BRIEF in-place KV pool, {name} model step B={batch}: "
               + ("OK (aliased, no pool-sized copy)" if not problems else "PROBLEMS " + "; ".join(problems[:4])),

@@ -48,8 +48,8 @@ def programs(cfg, backend: str, max_num_seqs: int, max_tokens: int, max_model_le
     blocks = -(-max_model_len // 16)
     out = []
     for t, d in [(t, False) for t in tokens] + [(t, True) for t in decode]:
-        batch, _ = ib.pack(SchedulerOutput(), t, max_num_seqs, blocks, 16, d)
-        out.append((f"model_step{'[decode]' if d else ''}", mr._model_step, (params, kv, batch, rows),
+        batch, _ = ib.pack(SchedulerOutput(), t, max_num_seqs, blocks, 16, decode_only=d)
+        out.append((f"model_step{'[decode]' if d else ''}", mr._model_step, (params, kv, batch, rows, rows),
                     dict(cfg=cfg, backend=backend)))
     hidden = sds((seqs[-1], cfg.hidden_size))
     for s in seqs:
@@ -58,7 +58,7 @@ def programs(cfg, backend: str, max_num_seqs: int, max_tokens: int, max_model_le
                 for top_f in ((False,) if greedy else (False, True)):
                     md = SamplingMetadata.dummy(s, max_model_len, all_greedy=greedy, use_penalties=pen,
                                                 use_top_filters=top_f)
-                    out.append((f"sample_step[{s}]", mr._sample_step, (params, hidden, md), {}))
+                    out.append((f"sample_step[{s}]", mr._sample_step, (params, hidden, md), {"num_rows": seqs[-1]}))
     return out
 
 

@@ -47,10 +47,12 @@ def test_is_decode_only_and_pack_flag():
         pack(mixed, 16, 4, 4, 16, decode_only=True)
 
 
-def _generate(backend: str, max_num_seqs: int, monkeypatch) -> tuple[list[list[int]], list[bool]]:
+def _generate(backend: str, max_num_seqs: int, monkeypatch, async_scheduling: bool = False
+              ) -> tuple[list[list[int]], list[bool]]:
     monkeypatch.setattr(llm_engine, "resolve_backend", lambda name: backend)
     llm = LLM(random_model(CFG), progress=False, dtype="float32", max_num_seqs=max_num_seqs, max_num_batched_tokens=64,
-              max_model_len=128, num_gpu_blocks_override=64, enable_prefix_caching=False, compilation_cache_dir="")
+              max_model_len=128, num_gpu_blocks_override=64, enable_prefix_caching=False, compilation_cache_dir="",
+              async_scheduling=async_scheduling)
     runner = llm.llm_engine.runner
     flags: list[bool] = []
     prepare = runner.prepare
@@ -74,10 +76,11 @@ def _generate(backend: str, max_num_seqs: int, monkeypatch) -> tuple[list[list[i
 @pytest.mark.parametrize("max_num_seqs", [32])
 def test_engine_pallas_decode_routing_matches_xla(max_num_seqs, monkeypatch):
     want, xla_flags = _generate("reference", max_num_seqs, monkeypatch)
-    got, flags = _generate(attention.PALLAS_INTERPRET, max_num_seqs, monkeypatch)
     assert not any(xla_flags)  # the XLA path has no decode-only programs
-    assert any(flags) and not all(flags)  # prompt steps on the ragged kernel, decode steps on the decode kernel
-    assert got == want
+    for async_scheduling in (False, True):  # async: the decode inputs are the previous step's ids on the device
+        got, flags = _generate(attention.PALLAS_INTERPRET, max_num_seqs, monkeypatch, async_scheduling)
+        assert any(flags) and not all(flags)  # prompt steps on the ragged kernel, decode steps on the decode kernel
+        assert got == want
 
 
 def test_decode_only_step_lowers_to_the_decode_kernel_for_cuda():

@@ -41,13 +41,13 @@ def _inputs(dtype, backend: str, decode_only: bool = False):
         seqs.append(ScheduledRequest("c", [3] * 9, 0, [8], True))
     out = SchedulerOutput(seqs, sum(len(s.token_ids) for s in seqs))
     batch, _ = pack(out, 16, MAX_SEQS, MAX_BLOCKS, BLOCK_SIZE, decode_only=decode_only)
-    return params, kv, batch, np.zeros(MAX_SEQS, np.int32), pool_dtype
+    return params, kv, batch, np.zeros(MAX_SEQS, np.int32), pool_dtype  # rows [P]; also prev_tokens [P]
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bfloat16: the pool holds uint16 bits on CPU
 def test_model_step_updates_the_pool_in_place_on_cpu(dtype):
     params, kv, batch, rows, pool_dtype = _inputs(dtype, "reference")
-    compiled = mr._model_step.lower(params, kv, batch, rows, cfg=CFG, backend="reference").compile()
+    compiled = mr._model_step.lower(params, kv, batch, rows, rows, cfg=CFG, backend="reference").compile()
     assert hlo_checks.compiled_problems(compiled, POOL, pool_dtype) == []
 
 
@@ -55,7 +55,7 @@ def test_model_step_updates_the_pool_in_place_on_cpu(dtype):
 def test_model_step_aliases_the_pool_for_cuda(decode_only):
     params, kv, batch, rows, pool_dtype = _inputs(jnp.bfloat16, "pallas", decode_only)
     exp = export.export(mr._model_step, platforms=["cuda"], disabled_checks=NO_TRITON_CHECK)(
-        params, kv, batch, rows, cfg=CFG, backend="pallas")
+        params, kv, batch, rows, rows, cfg=CFG, backend="pallas")
     assert hlo_checks.stablehlo_problems(exp.mlir_module(), POOL, pool_dtype) == []
 
 
