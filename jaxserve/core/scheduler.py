@@ -36,14 +36,15 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
 from jaxserve.core.spec_decode import propose_ngram
+from jaxserve.core.structured_output import StructuredOutputManager
 
 __all__ = ["ModelOutput", "RequestUpdate", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
+    def __init__(self, config: SchedulerConfig, structured: StructuredOutputManager | None = None) -> None:
+        self.config, self.structured = config, structured or StructuredOutputManager(None, 0)  # grammars
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -58,9 +59,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
 
@@ -81,6 +80,7 @@ class Scheduler:
             raise ValueError(f"prompt of {num_prompt} tokens (max_model_len {cfg.max_model_len}, "
                              f"max_tokens {request.sampling_params.max_tokens}) can grow to "
                              f"{max_blocks} KV blocks but the pool has only {cfg.num_blocks}")
+        self.structured.add_request(rid, request.sampling_params)  # compiles its grammar, if any
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self._order[rid] = (request.arrival_time, self._num_added)
@@ -123,6 +123,7 @@ class Scheduler:
         """Forget a finished request that is in no queue; orphaned samples prefill alone."""
         rid = req.request_id
         self.kv.forget(rid)
+        self.structured.remove(rid)
         del self.requests[rid]
         del self._order[rid]
         self._admitted.discard(rid)
@@ -261,7 +262,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         budget = self._budget_left(out)
         caching = self.config.enable_prefix_caching
-        while self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs
+               and self.structured.rotate_compiling(self.waiting)):  # a request waits for its grammar
             req = self.waiting[0]
             rid = req.request_id
             assert req.num_computed_tokens == 0, "waiting requests hold no KV"
