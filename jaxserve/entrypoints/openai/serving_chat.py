@@ -54,6 +54,7 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, object]]:
     result: list[dict[str, object]] = []
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
+        item.setdefault("content", "")  # an assistant turn that only called tools: templates read content
         for call in item.get("tool_calls") or []:  # templates index arguments as a mapping
             function = call.get("function") if isinstance(call, dict) else None
             if isinstance(function, dict) and isinstance(function.get("arguments"), str):
