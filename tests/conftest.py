@@ -82,6 +82,12 @@ GREEDY_TOKENS = 16
 CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
          [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]]
 CHAT_TOKENS = 16
+OFFLINE_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["city", "rank"], "additionalProperties": False}
+# (prompt, StructuredOutputsParams kwargs, SamplingParams kwargs): vLLM's offline structured outputs
+OFFLINE_STRUCTURED = [("A city as JSON:", {"json": OFFLINE_SCHEMA}, {"temperature": 0.8, "seed": 5, "n": 2}),
+                      ("Is water wet? Answer:", {"choice": ["yes", "no"]}, {"temperature": 0.0})]
 
 
 @dataclass
@@ -92,13 +98,14 @@ class Served:
     engine: object  # AsyncLLM
     completions: dict[str, object]  # prompt -> offline greedy RequestOutput, GREEDY_TOKENS tokens
     chats: list[object]  # offline greedy chat RequestOutputs, up to CHAT_TOKENS tokens
+    structured: list[object]  # offline RequestOutputs under OFFLINE_STRUCTURED (tests/test_structured_real.py)
 
 
 @pytest.fixture(scope="session")
 def served(jax_default_model) -> Iterator[Served]:
     """The default model behind the OpenAI app on a real uvicorn server; greedy references from the
     offline API on the same engine first, so no second warm-up is paid."""
-    from jaxserve import LLM, SamplingParams
+    from jaxserve import LLM, SamplingParams, StructuredOutputsParams
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.api_server import build_app
     from tests.fake_engine import serve_in_thread
@@ -107,10 +114,13 @@ def served(jax_default_model) -> Iterator[Served]:
     greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
     completions = dict(zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)))
     chats = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS), use_tqdm=False)
+    structured = llm.generate([p for p, _, _ in OFFLINE_STRUCTURED], [
+        SamplingParams(max_tokens=60, structured_outputs=StructuredOutputsParams(**so), **kw)
+        for _, so, kw in OFFLINE_STRUCTURED], use_tqdm=False)
     engine = AsyncLLM(llm.llm_engine)  # the engine thread owns it from here on
     try:
         with serve_in_thread(build_app(engine)) as url:
-            yield Served(url, engine, completions, chats)
+            yield Served(url, engine, completions, chats, structured)
     finally:
         engine.shutdown()
 

@@ -28,7 +28,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import (CHAT_TOKENS, CHATS, GREEDY_PROMPTS, GREEDY_TOKENS, MAX_MODEL_LEN, MODEL, PROMPTS,
+from tests.conftest import (CHAT_TOKENS, CHATS, ENGINE, GREEDY_PROMPTS, GREEDY_TOKENS, MAX_MODEL_LEN, MODEL, PROMPTS,
                             Served)
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from jaxserve.entrypoints.openai.api_server import build_app
-from tests.conftest import MODEL, Served
+from tests.conftest import MODEL, OFFLINE_SCHEMA, Served
 from tests.fake_engine import serve_in_thread
 
 pytestmark = pytest.mark.slow
@@ -111,6 +111,16 @@ def trusted_url(served: Served) -> Iterator[str]:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def test_offline_llm_structured_outputs(served: Served) -> None:
+    """vLLM's offline API: SamplingParams(structured_outputs=StructuredOutputsParams(...)), n=2 sampled."""
+    json_out, choice_out = served.structured
+    assert len(json_out.outputs) == 2
+    for out in json_out.outputs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), OFFLINE_SCHEMA)
+    assert choice_out.outputs[0].text in ("yes", "no") and choice_out.outputs[0].finish_reason == "stop"
 
 
 def test_json_schemas_greedy_and_sampled(aclient: openai.AsyncOpenAI, served: Served) -> None:

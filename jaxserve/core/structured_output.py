@@ -112,14 +112,15 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(num_workers, thread_name_prefix="grammar")
         self._executor: llguidance.LLExecutor | None = None
         self._ll_tokenizer: llguidance.LLTokenizer | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache (held briefly: the engine thread takes it)
+        self._tokenizer_lock = threading.Lock()  # held ~1 s by the first compile, on the pool
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
         self.requests: dict[str, _RequestState] = {}
 
     # ---- compile -------------------------------------------------------------------------------
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """Built once, on first use (about a second): servers that never constrain never pay it."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._ll_tokenizer is None:
                 import llguidance.hf
                 eos = self.eos_token_ids or None

@@ -113,8 +113,13 @@ def split_reasoning(text: str) -> tuple[str | None, str]:
         reasoning, _, content = text.partition("</think>")
         return reasoning.replace("<think>", "", 1).strip("\n") or None, content.lstrip("\n")
     stripped = text.lstrip()
-    if stripped.startswith("<think>"):
-        return stripped.removeprefix("<think>").lstrip("\n"), ""
+    if stripped.startswith("<think>"):  # still open: hold back a partial "</think>" and trailing newlines
+        reasoning = stripped.removeprefix("<think>").lstrip("\n")
+        for k in range(min(len(reasoning), len("</think>") - 1), 0, -1):
+            if "</think>".startswith(reasoning[-k:]):
+                reasoning = reasoning[:-k]
+                break
+        return reasoning.rstrip("\n"), ""
     if "<think>".startswith(stripped) and stripped:
         return None, ""  # a partial tag: hold it back
     return None, text
