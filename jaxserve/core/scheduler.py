@@ -62,6 +62,7 @@ class Scheduler:
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self._in_flight: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests, until update
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -182,7 +183,7 @@ class Scheduler:
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget) if self._ready(req) else 0
             if num_new <= 0:
                 i += 1
                 continue
@@ -209,6 +210,17 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _ready(self, req: Request) -> bool:
+        """Async scheduling: whether a running request may be scheduled while its last step is on
+        the device. Not when that step carried drafts (its next position is unknown), when the
+        sampler needs its whole history (penalties) or its grammar state (a token bitmask), or when
+        the in-flight tokens reach its end."""
+        if req.num_output_placeholders == 0:
+            return True
+        params = req.sampling_params
+        return not (req.drafts_in_flight or params.needs_penalties or params.needs_token_mask
+                    or req.num_tokens >= req.max_total_tokens(self.config.max_model_len))
+
     def _draft_budget(self) -> int:
         """Draft tokens this step may carry in all. Every scheduled request samples a row and a
         step samples at most max_num_seqs rows, so drafts take only the rows no request can."""
@@ -231,7 +243,8 @@ class Scheduler:
     def _drafts(self, req: Request, num_new: int, limit: int) -> list[int]:
         """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []."""
         spec = self.config.speculative
-        if spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+        if (spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1
+                or req.num_output_placeholders):
             return []
         if not req.sampling_params.greedy:
             return []
@@ -246,6 +259,8 @@ class Scheduler:
         budget = self._budget_left(out)
         while self.swapped and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
+                break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new <= 0:
                 break
@@ -265,6 +280,8 @@ class Scheduler:
         while (self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs
                and self.structured.rotate_compiling(self.waiting)):  # a request waits for its grammar
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
+                break
             rid = req.request_id
             assert req.num_computed_tokens == 0, "waiting requests hold no KV"
             # Prompt logprobs need every prompt position computed, so such a request reads no cached prefix.
@@ -303,9 +320,15 @@ class Scheduler:
             block_ids=list(self.kv.get_block_ids(req.request_id)),
             sample=start + num_new == req.num_tokens, num_drafts=len(drafts),
             sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
-            num_output_tokens=req.num_output_tokens,
+            num_output_tokens=req.num_output_tokens + req.num_output_placeholders,
             output_token_ids=req.output_token_ids if params.needs_penalties else []))
         self.num_prompt_tokens += max(0, min(start + num_new, req.num_prompt_tokens) - start)
+        # The step is as good as done for the next schedule(): its KV will be on the device first.
+        req.num_computed_tokens = start + num_new
+        if out.scheduled[-1].sample:
+            req.num_output_placeholders += 1
+            req.drafts_in_flight = bool(drafts)
+        self._in_flight.setdefault(id(out), []).append(req)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """`victim` is already out of `running`. Swap it out, else recompute later."""
@@ -327,36 +350,40 @@ class Scheduler:
     # -- results ------------------------------------------------------------
     def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[RequestUpdate]:
         """Apply a step's sampled tokens: per request that sampled, the tokens it accepted and
-        whether that ended it. Results of requests aborted since `schedule()` are dropped."""
+        whether that ended it. With async scheduling the next step is already scheduled (and may
+        have preempted some of these requests); results of requests finished or aborted since
+        `schedule()` are dropped, so no token past a request's end reaches anyone."""
         updates: list[RequestUpdate] = []
         finished: list[Request] = []
-        for sched in out.scheduled:
-            req = self.requests.get(sched.request_id)
-            if req is None or req.status != RequestStatus.RUNNING or req.num_computed_tokens != sched.start_pos:
+        bs = self.config.block_size
+        for sched, req in zip(out.scheduled, self._in_flight.pop(id(out), [])):
+            if self.requests.get(sched.request_id) is not req:
                 continue
-            req.num_computed_tokens += len(sched.token_ids) - sched.num_drafts
+            running = req.status == RequestStatus.RUNNING
             if sched.sample:
-                accepted = self._accept(req, sched, model_output)
+                req.num_output_placeholders -= 1
+                accepted = self._accept(req, sched, model_output, running)
                 self.num_generation_tokens += len(accepted)
                 updates.append(RequestUpdate(req.request_id, accepted, req.finish_reason, req.stop_reason,
                                              req.num_cached_tokens))
                 if req.is_finished:
                     finished.append(req)
-            bs = self.config.block_size
-            if self.config.enable_prefix_caching and req.num_computed_tokens // bs > sched.start_pos // bs:
-                self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        if finished:
-            done = set(id(r) for r in finished)
-            self.running = [r for r in self.running if id(r) not in done]
+            num_cached = min(req.num_computed_tokens, req.num_prompt_tokens + req.num_output_tokens)
+            if self.config.enable_prefix_caching and running and num_cached // bs > sched.start_pos // bs:
+                self.kv.cache_blocks(req.request_id, req.all_token_ids, num_cached)
         # Fork before freeing, so a parent that finished on its first token still lends its blocks.
         self._fork_pending()
         for req in finished:
+            self._unqueue(req)
             self._release(req)
         return updates
 
-    def _accept(self, req: Request, sched: ScheduledRequest, model_output: ModelOutput) -> list[SampledToken]:
+    def _accept(self, req: Request, sched: ScheduledRequest, model_output: ModelOutput,
+                running: bool) -> list[SampledToken]:
         """Append the sampled token, then each draft-row token while the model agreed with the
-        draft before it; stop at the first stop condition. Returns the tokens appended."""
+        draft before it; stop at the first stop condition. Returns the tokens appended.
+        `running`: False for a request preempted since the step was scheduled, whose KV is
+        recomputed (or swapped back) from its tokens anyway."""
         token = model_output.sampled.get(req.request_id)
         if token is None:  # it would sit forever with nothing left to compute
             raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
@@ -364,6 +391,7 @@ class Scheduler:
         tokens = [token]
         drafts = sched.token_ids[len(sched.token_ids) - num_drafts:]
         if num_drafts:
+            req.drafts_in_flight = False
             tokens += model_output.draft_sampled[req.request_id]
             self.spec_num_drafts += 1
             self.spec_num_draft_tokens += num_drafts
@@ -374,7 +402,7 @@ class Scheduler:
             if req.check_stop(self.config.max_model_len) or j == num_drafts or drafts[j] != tok.token_id:
                 break
             # The model's token is draft j: its KV, computed this step, holds.
-            req.num_computed_tokens += 1
+            req.num_computed_tokens += running
             self.spec_num_accepted_tokens += 1
         return accepted
 

@@ -88,11 +88,13 @@ class OutputProcessor:
         """One step's outputs, one per user request that changed, and the scheduler requests a
         stop string ended (the engine finishes those in the scheduler)."""
         now = time.monotonic()
-        for sr in out.scheduled:
-            group = self._samples[sr.request_id][0]
-            group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
+        for sr in out.scheduled:  # (async scheduling: some may have finished since)
+            if sr.request_id in self._samples:
+                group = self._samples[sr.request_id][0]
+                group.metrics.first_scheduled_time = group.metrics.first_scheduled_time or now
         for rid, entries in model_out.prompt_logprobs.items():
-            self._absorb_prompt_logprobs(self._samples[rid][0], entries)
+            if rid in self._samples:
+                self._absorb_prompt_logprobs(self._samples[rid][0], entries)
         changed: dict[str, tuple[RequestGroup, int]] = {}
         stopped: list[str] = []
         for u in updates:

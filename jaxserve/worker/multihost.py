@@ -117,7 +117,7 @@ class LeaderRunner:
             return ModelOutput()
         self.channel.send(prepared)
         self.num_steps_sent += 1
-        return self.runner.run(prepared)
+        return self.runner.run(prepared)  # synchronous: async scheduling is off with num_hosts > 1
 
     def stop_workers(self) -> None:
         self.channel.send(None)
