@@ -1,10 +1,10 @@
 """jaxserve: an LLM inference server on JAX/XLA with Pallas paged attention."""
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

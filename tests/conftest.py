@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 import pytest
 
 from jaxserve.weights.loader import default_model_path
@@ -65,3 +68,60 @@ def hf_greedy(hf_default_model, hf_default_tokenizer):
                                         output_logits=True, return_dict_in_generate=True, pad_token_id=pad)
     logits = torch.stack(gen.logits, 1).float().numpy()  # [batch, 48, vocab]
     return {p: (i, gen.sequences[b, width:].tolist(), logits[b]) for b, (p, i) in enumerate(zip(PROMPTS, ids))}
+
+
+# --- one real server for the session (tests/test_server_real.py, tests/test_structured_real.py) ------------
+# Buckets are kept few (max_num_batched_tokens=64 with chunked prefill: token buckets 16/32/64,
+# sequence buckets 8/16) so the warm-up stays short on a 2-core CPU.
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 256
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, enable_chunked_prefill=True,
+              block_size=16, num_gpu_blocks_override=128, dtype="float32")
+GREEDY_PROMPTS = PROMPTS[:3]
+GREEDY_TOKENS = 16
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]]
+CHAT_TOKENS = 16
+OFFLINE_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+                  "required": ["city", "rank"], "additionalProperties": False}
+# (prompt, StructuredOutputsParams kwargs, SamplingParams kwargs): vLLM's offline structured outputs
+OFFLINE_STRUCTURED = [("A city as JSON:", {"json": OFFLINE_SCHEMA}, {"temperature": 0.8, "seed": 5, "n": 2}),
+                      ("Is water wet? Answer:", {"choice": ["yes", "no"]}, {"temperature": 0.0})]
+
+
+@dataclass
+class Served:
+    """The session's real server: its URL, the engine behind it, greedy references."""
+
+    url: str
+    engine: object  # AsyncLLM
+    completions: dict[str, object]  # prompt -> offline greedy RequestOutput, GREEDY_TOKENS tokens
+    chats: list[object]  # offline greedy chat RequestOutputs, up to CHAT_TOKENS tokens
+    structured: list[object]  # offline RequestOutputs under OFFLINE_STRUCTURED (tests/test_structured_real.py)
+
+
+@pytest.fixture(scope="session")
+def served(jax_default_model) -> Iterator[Served]:
+    """The default model behind the OpenAI app on a real uvicorn server; greedy references from the
+    offline API on the same engine first, so no second warm-up is paid."""
+    from jaxserve import LLM, SamplingParams, StructuredOutputsParams
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.api_server import build_app
+    from tests.fake_engine import serve_in_thread
+
+    llm = LLM(jax_default_model, progress=False, **ENGINE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
+    completions = dict(zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)))
+    chats = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS), use_tqdm=False)
+    structured = llm.generate([p for p, _, _ in OFFLINE_STRUCTURED], [
+        SamplingParams(max_tokens=60, structured_outputs=StructuredOutputsParams(**so), **kw)
+        for _, so, kw in OFFLINE_STRUCTURED], use_tqdm=False)
+    engine = AsyncLLM(llm.llm_engine)  # the engine thread owns it from here on
+    try:
+        with serve_in_thread(build_app(engine)) as url:
+            yield Served(url, engine, completions, chats, structured)
+    finally:
+        engine.shutdown()
+
+

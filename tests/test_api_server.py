@@ -201,7 +201,17 @@ BAD = [
     ("/v1/completions", "", 400, None),
     ("/v1/completions", {"prompt": "w1", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "w1", "temperature": True}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "w1", "bogus": 1}, 400, "bogus"),
+    ("/v1/completions", {"prompt": "w1", "functions": [{"name": "f"}]}, 400, "functions"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "function_call": "auto"}, 400,
+     "function_call"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w1"}], "chat_template": "{{ 1 }}"}, 400,
+     "chat_template"),
+    ("/v1/completions", {"prompt": "w1", "structured_outputs": {"regex": "(a"}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "w1", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
+    ("/v1/completions", {"prompt": "w1", "structured_outputs": {"regex": "a", "choice": ["b"]}}, 400, None),
+    ("/v1/completions", {"prompt": "w1", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "w1", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", {"prompt": "w1", "temperature": -1.0}, 400, "temperature"),
     ("/v1/completions", {"prompt": "w1", "top_p": 0.0}, 400, "top_p"),
@@ -240,6 +250,15 @@ def test_bad_requests_are_openai_shaped(http: httpx.Client, path: str, body: obj
     if param is not None:
         assert error["param"] == param
     assert http.get("/health").status_code == 200
+
+
+def test_unknown_fields_are_accepted(http: httpx.Client) -> None:
+    """Fields SDKs send that change nothing here are accepted (and logged), as vLLM does."""
+    body = {"prompt": "w1", "max_tokens": 2, "store": True, "metadata": {"k": "v"}, "service_tier": "auto",
+            "bogus": 1, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == "w2 w3"
 
 
 def test_unknown_route_and_method(http: httpx.Client) -> None:

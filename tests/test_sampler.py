@@ -313,3 +313,31 @@ def test_warmup_variants_are_six_distinct_programs():
     assert len(flags) == len(variants) == 6
     for md in variants:
         jax.eval_shape(fn, jax.ShapeDtypeStruct((8, VOCAB), jnp.float32), md)
+
+
+def test_token_bitmask_masks_rows_without_a_new_program():
+    """Bit t of word t // 32 allows token t (llguidance's layout); an all -1 batch is untouched, and
+    the mask rides in the same compiled program (a lax.cond, no new variant)."""
+    from jaxserve.sample.sampler import apply_token_bitmask
+
+    words = -(-VOCAB // 32)
+    logits = jnp.asarray(_logits(8, VOCAB, seed=3))
+    bitmask = np.full((8, words), -1, np.int32)
+    bitmask[1] = 0
+    bitmask[1, 5 // 32] |= 1 << 5
+    bitmask[1, 37 // 32] |= 1 << (37 % 32)
+    bitmask[2, :] = 0
+    bitmask[2, (VOCAB - 1) // 32] = np.array(1 << ((VOCAB - 1) % 32), np.uint32).view(np.int32)
+    masked = np.asarray(apply_token_bitmask(logits, jnp.asarray(bitmask)))
+    assert set(np.flatnonzero(np.isfinite(masked[1]))) == {5, 37}
+    assert set(np.flatnonzero(np.isfinite(masked[2]))) == {VOCAB - 1}
+    np.testing.assert_array_equal(masked[0], np.asarray(logits)[0])
+    fn = jax.jit(sample)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)]
+    rows = [_row(params[i % 2]) for i in range(3)]
+    free = SamplingMetadata.build(rows, 8, MAX_MODEL_LEN, num_mask_words=words)
+    unconstrained = np.asarray(fn(logits, free).token_ids)
+    md = SamplingMetadata.build(rows, 8, MAX_MODEL_LEN, bitmask[:3], num_mask_words=words)
+    constrained = np.asarray(fn(logits, md).token_ids)
+    assert fn._cache_size() == 1
+    assert constrained[1] in (5, 37) and constrained[2] == VOCAB - 1 and constrained[0] == unconstrained[0]

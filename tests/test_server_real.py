@@ -1,6 +1,6 @@
 """The OpenAI server on the REAL engine and the default model (SmolLM2-135M-Instruct), over real HTTP.
 
-One uvicorn server on 127.0.0.1 (a free port) for the module, serving an AsyncLLM built on the
+One uvicorn server on 127.0.0.1 (a free port) for the session (tests/conftest.py `served`), serving an AsyncLLM built on the
 session's loaded weights, driven by the official `openai` client (sync and async, streaming and
 not, completions and chat) and by httpx. Greedy references come from the offline API on the very
 same engine, run before it is handed to AsyncLLM, so no second warm-up is paid. The last test
@@ -21,8 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -30,47 +28,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxserve import LLM, SamplingParams
-from jaxserve.engine.async_llm import AsyncLLM
-from jaxserve.engine.outputs import RequestOutput
-from jaxserve.entrypoints.openai.api_server import build_app
-from tests.conftest import PROMPTS
-from tests.fake_engine import serve_in_thread
+from tests.conftest import (CHAT_TOKENS, CHATS, ENGINE, GREEDY_PROMPTS, GREEDY_TOKENS, MAX_MODEL_LEN, MODEL, PROMPTS,
+                            Served)
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 256
-ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, max_num_batched_tokens=64, enable_chunked_prefill=True,
-              block_size=16, num_gpu_blocks_override=128, dtype="float32")
-GREEDY_PROMPTS = PROMPTS[:3]
-GREEDY_TOKENS = 16
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]]
-CHAT_TOKENS = 16
-
-
-@dataclass
-class Served:
-    url: str
-    engine: AsyncLLM
-    completions: dict[str, RequestOutput]  # offline greedy, GREEDY_TOKENS tokens
-    chats: list[RequestOutput]  # offline greedy chat, up to CHAT_TOKENS tokens
-
-
-@pytest.fixture(scope="module")
-def served(jax_default_model) -> Iterator[Served]:
-    llm = LLM(jax_default_model, progress=False, **ENGINE)
-    greedy = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS)
-    completions = dict(zip(GREEDY_PROMPTS, llm.generate(GREEDY_PROMPTS, greedy, use_tqdm=False)))
-    chats = llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=CHAT_TOKENS), use_tqdm=False)
-    engine = AsyncLLM(llm.llm_engine)  # the engine thread owns it from here on
-    try:
-        with serve_in_thread(build_app(engine)) as url:
-            yield Served(url, engine, completions, chats)
-    finally:
-        engine.shutdown()
-
 
 @pytest.fixture(scope="module")
 def client(served: Served) -> openai.OpenAI:

@@ -9,7 +9,41 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_LOGPROBS = 20  # top-N logprobs computed on device; OpenAI caps `top_logprobs` at 20 too
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one of `json` (a JSON schema, as a dict or a string),
+    `regex`, `choice` (a list of strings), `grammar` (Lark, or GBNF when it holds `::=`) or
+    `json_object` (any JSON object). Grammars are compiled by core/structured_output.py."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # Compact JSON: no whitespace between tokens (the default here, see structured_output.py).
+    disable_any_whitespace: bool = True
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                             f"got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its string)")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -37,6 +71,11 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    # Token-level constraints, applied on the device through one token bitmask per row
+    # (core/structured_output.py fills it): only these ids may be sampled / never these words.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not the user: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -104,6 +143,22 @@ class SamplingParams:
             check(self.temperature == 0.0 or self.temperature == 1.0, "temperature",
                   "is not used by beam search; leave it at 0 or 1")
         check(isinstance(self.length_penalty, (int, float)), "length_penalty", "must be a number")
+        if self.allowed_token_ids is not None:
+            check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
+                  and all(is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
+                  "must be a non-empty list of non-negative token ids")
+        if self.bad_words is not None:
+            check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
+                  "bad_words", "must be a list of non-empty strings")
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "must be a StructuredOutputsParams")
+
+    @property
+    def needs_token_mask(self) -> bool:
+        """The row's allowed tokens depend on more than the logits: a bitmask row is filled for it."""
+        return bool(self.allowed_token_ids or self.bad_words or self.structured_outputs is not None)
 
     @property
     def greedy(self) -> bool:

@@ -36,14 +36,15 @@ from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
 from jaxserve.core.spec_decode import propose_ngram
+from jaxserve.core.structured_output import StructuredOutputManager
 
 __all__ = ["ModelOutput", "RequestUpdate", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
-        self.config = config
+    def __init__(self, config: SchedulerConfig, structured: StructuredOutputManager | None = None) -> None:
+        self.config, self.structured = config, structured or StructuredOutputManager(None, 0)  # grammars
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -58,9 +59,7 @@ class Scheduler:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_preemptions = 0
-        self.spec_num_drafts = 0
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._in_flight: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests, until update
@@ -82,6 +81,7 @@ class Scheduler:
             raise ValueError(f"prompt of {num_prompt} tokens (max_model_len {cfg.max_model_len}, "
                              f"max_tokens {request.sampling_params.max_tokens}) can grow to "
                              f"{max_blocks} KV blocks but the pool has only {cfg.num_blocks}")
+        self.structured.add_request(rid, request.sampling_params)  # compiles its grammar, if any
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self._order[rid] = (request.arrival_time, self._num_added)
@@ -124,6 +124,7 @@ class Scheduler:
         """Forget a finished request that is in no queue; orphaned samples prefill alone."""
         rid = req.request_id
         self.kv.forget(rid)
+        self.structured.remove(rid)
         del self.requests[rid]
         del self._order[rid]
         self._admitted.discard(rid)
@@ -212,10 +213,12 @@ class Scheduler:
     def _ready(self, req: Request) -> bool:
         """Async scheduling: whether a running request may be scheduled while its last step is on
         the device. Not when that step carried drafts (its next position is unknown), when the
-        sampler needs its whole history (penalties), or when the in-flight tokens reach its end."""
+        sampler needs its whole history (penalties) or its grammar state (a token bitmask), or when
+        the in-flight tokens reach its end."""
         if req.num_output_placeholders == 0:
             return True
-        return not (req.drafts_in_flight or req.sampling_params.needs_penalties
+        params = req.sampling_params
+        return not (req.drafts_in_flight or params.needs_penalties or params.needs_token_mask
                     or req.num_tokens >= req.max_total_tokens(self.config.max_model_len))
 
     def _draft_budget(self) -> int:
@@ -274,7 +277,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         budget = self._budget_left(out)
         caching = self.config.enable_prefix_caching
-        while self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs
+               and self.structured.rotate_compiling(self.waiting)):  # a request waits for its grammar
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
                 break

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.spec_decode import SpeculativeConfig
 
@@ -84,6 +86,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     preempted_ids: list[str] = field(default_factory=list)
+    # [sampling rows, W] i32 token bitmask (structured outputs, allowed_token_ids, bad_words), one row
+    # per sampled row in `scheduled` order (k drafts: k + 1 rows); None: no row is constrained
+    token_bitmask: np.ndarray | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -36,6 +36,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import ModelOutput, SchedulerConfig, SchedulerOutput
 from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params
@@ -101,7 +102,8 @@ class LLMEngine:
             max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
             preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks,
-            speculative=SpeculativeConfig.parse(args.speculative_config)))
+            speculative=SpeculativeConfig.parse(args.speculative_config)),
+            StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids))
         self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
                                                             num_cpu_blocks=self.num_cpu_blocks), mesh)
         self.load_seconds = time.perf_counter() - t0
@@ -164,6 +166,10 @@ class LLMEngine:
         bad_bias = next((t for t in (params.logit_bias or {}) if not 0 <= t < vocab), None)
         if bad_bias is not None:
             raise ValueError(f"logit_bias: token id {bad_bias} is out of range for a vocabulary of {vocab}")
+        if any(t >= vocab for t in params.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids: token ids must be below the vocabulary size {vocab}")
+        if params.structured_outputs is not None:
+            validate_structured_outputs(params.structured_outputs)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
@@ -206,6 +212,9 @@ class LLMEngine:
         """One step; with async scheduling, step N+1 is scheduled and issued before step N's
         results are read, so the device never waits for the host's update and output work."""
         out = self.scheduler.schedule()
+        # None when no row is constrained; a constrained request never has a step in flight here
+        # (Scheduler._ready), so its matcher has seen every token before its mask is filled.
+        out.token_bitmask = self.scheduler.structured.fill_bitmask(out.scheduled)
         if not self.async_scheduling:
             return self._update(out, self.runner.execute(out))
         pending = self.runner.execute_async(out)
@@ -214,6 +223,7 @@ class LLMEngine:
 
     def _update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
         updates = self.scheduler.update(out, model_out)
+        self.scheduler.structured.accept_updates(updates)  # grammars advance on the accepted tokens
         outputs, stopped = self.outputs.process(out, model_out, updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # by a stop string
         return outputs

@@ -33,6 +33,10 @@ class ServerArgs:
     max_request_body_bytes: int = 16 * 1024 * 1024
     timeout_graceful_shutdown: float = 30.0  # seconds in-flight requests get after SIGTERM
     uvicorn_log_level: str = "info"
+    trust_request_chat_template: bool = False  # else a request's chat_template is a 400 (vLLM's advisory)
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls with tool_call_parser
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None  # qwen3: <think>...</think> goes to message.reasoning
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -41,6 +45,8 @@ class ServerArgs:
             raise ValueError("max_request_body_bytes must be >= 1")
         if self.timeout_graceful_shutdown < 0:
             raise ValueError("timeout_graceful_shutdown must be >= 0")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("tool_call_parser is required with enable_auto_tool_choice")
 
 
 @dataclass(frozen=True)
@@ -78,11 +84,16 @@ _HELP = {
     "api_key": "require `Authorization: Bearer KEY` on /v1 routes",
     "max_request_body_bytes": "larger request bodies get a 413",
     "timeout_graceful_shutdown": "seconds in-flight requests may take after SIGTERM",
+    "trust_request_chat_template": "render a chat_template sent in a request (off: such a request is a 400)",
+    "enable_auto_tool_choice": "tool_choice auto: parse tool calls from the model's text (needs --tool-call-parser)",
+    "tool_call_parser": "the model's tool-call format for tool_choice auto",
+    "reasoning_parser": "split the model's <think> part into message.reasoning",
 }
 _CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
             "preemption_mode": PREEMPTION_MODES,
             "attention_backend": ATTENTION_BACKENDS,
-            "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace")}
+            "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
+            "tool_call_parser": ("hermes", "llama3_json", "mistral"), "reasoning_parser": ("qwen3",)}
 
 
 def _base_type(annotation: object) -> type:

@@ -7,6 +7,8 @@ request-count bucket S and per static variant of the metadata (see
     raw logits ──► logprobs / ranks / top-20        (vLLM's "raw logprobs")
         │
         ├─ + logit_bias, min_tokens suppression (-inf)
+        ├─ token bitmask (structured outputs, allowed_token_ids, bad_words): 0 bit -> -inf,
+        │  under a lax.cond, so an unconstrained batch skips the [S, V] unpacking
         ├─ penalties: repetition (prompt + output), frequency, presence (output only)
         ├─ greedy rows: argmax
         └─ other rows: / temperature, top_k, top_p, min_p, Gumbel-max with
@@ -50,6 +52,8 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     """Sample one token per row of `logits` ([S, V], V >= MAX_LOGPROBS)."""
     logits = logits.astype(jnp.float32)
     processed = apply_bias_and_suppression(logits, md.bias_ids, md.bias_values, md.suppress_ids)
+    processed = jax.lax.cond(jnp.any(md.token_bitmask != -1), apply_token_bitmask, lambda x, _: x,
+                             processed, md.token_bitmask)
     if md.use_penalties:
         processed = apply_penalties(processed, md)
     token_ids = argmax(processed)
@@ -83,6 +87,16 @@ def apply_bias_and_suppression(logits: jax.Array, bias_ids: jax.Array, bias_valu
         bias_values, mode="drop")
     return logits.at[rows, _out_of_range_for_padding(suppress_ids, vocab_size)].set(
         -jnp.inf, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's bit is 0. logits [S, V] f32; bitmask [S, W] i32 (bit t % 32 of word
+    t // 32 is token t). Tokens past 32 * W are left alone (serving sets W = ceil(V / 32))."""
+    vocab_size, num_words = logits.shape[-1], bitmask.shape[-1]
+    index = jnp.arange(vocab_size, dtype=jnp.int32)  # [V]
+    words = bitmask[:, jnp.minimum(index // 32, num_words - 1)]  # [S, V]
+    allowed = ((words >> (index % 32)) & 1).astype(jnp.bool_) | (index >= 32 * num_words)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def apply_penalties(logits: jax.Array, md: SamplingMetadata) -> jax.Array:

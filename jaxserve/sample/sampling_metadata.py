@@ -11,6 +11,11 @@ array here has a shape fixed by S and by module constants, never by the data:
 when some row uses penalties, otherwise it is an [S, 1] dummy (a different
 static variant, so a different compiled program, not a different shape at run
 time of the same program).
+
+`token_bitmask` carries structured outputs, allowed_token_ids and bad_words (filled on the host by
+core/structured_output.py): bit t of word t // 32 is token t's. Its width W = ceil(V / 32) is
+fixed by the model, so it is always present (all -1 when no row is constrained) and the sampler
+applies it under a lax.cond: no extra compiled program.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ class SamplingMetadata:
     # [S] i32, top logprobs the row returns (SamplingParams.logprobs, 0 when None). The sampler
     # runs its top-N only when some row asks (a lax.cond: no extra program).
     num_logprobs: jax.Array
+    # [S, W] i32, bit t % 32 of word t // 32: token t may be sampled; -1 everywhere => unconstrained
+    token_bitmask: jax.Array
     all_greedy: bool = field(default=False, metadata=_static())
     use_penalties: bool = field(default=False, metadata=_static())
     use_top_filters: bool = field(default=False, metadata=_static())
@@ -93,13 +100,15 @@ class SamplingMetadata:
 
     @classmethod
     def build(cls, rows: Sequence[RowInfo | tuple], num_rows_padded: int,
-              max_model_len: int) -> SamplingMetadata:
+              max_model_len: int, token_bitmask: np.ndarray | None = None,
+              num_mask_words: int = 1) -> SamplingMetadata:
         """Pad `rows` to `num_rows_padded` and send the whole tree to the device at once."""
-        return jax.device_put(cls.build_host(rows, num_rows_padded, max_model_len))
+        return jax.device_put(cls.build_host(rows, num_rows_padded, max_model_len, token_bitmask, num_mask_words))
 
     @classmethod
     def build_host(cls, rows: Sequence[RowInfo | tuple], num_rows_padded: int,
-                   max_model_len: int) -> SamplingMetadata:
+                   max_model_len: int, token_bitmask: np.ndarray | None = None,
+                   num_mask_words: int = 1) -> SamplingMetadata:
         """Same as `build`, leaves are numpy arrays (for tests and inspection)."""
         infos = [r if isinstance(r, RowInfo) else RowInfo(*r) for r in rows]
         num_rows = len(infos)
@@ -110,14 +119,19 @@ class SamplingMetadata:
         use_penalties = any(r.params.needs_penalties for r in infos)
         use_top_filters = any(r.params.needs_sort for r in sampled)
         md = cls.dummy(num_rows_padded, max_model_len, all_greedy=all_greedy,
-                       use_penalties=use_penalties, use_top_filters=use_top_filters)
+                       use_penalties=use_penalties, use_top_filters=use_top_filters, num_mask_words=num_mask_words)
         for i, r in enumerate(infos):
             _fill_row(md, i, r, max_model_len)
+        if token_bitmask is not None:  # [len(rows), W]: the rows' masks, in the same order
+            if token_bitmask.shape != (num_rows, num_mask_words):
+                raise ValueError(f"token_bitmask: shape {token_bitmask.shape}, expected {(num_rows, num_mask_words)}")
+            md.token_bitmask[:num_rows] = token_bitmask
         return md
 
     @classmethod
     def dummy(cls, num_rows: int, max_model_len: int, *, all_greedy: bool = True,
-              use_penalties: bool = False, use_top_filters: bool = False) -> SamplingMetadata:
+              use_penalties: bool = False, use_top_filters: bool = False,
+              num_mask_words: int = 1) -> SamplingMetadata:
         """All-padding metadata (numpy leaves): the builder's start and a warm-up input."""
         s = num_rows
         f32 = lambda v: np.full((s,), v, np.float32)  # noqa: E731
@@ -131,11 +145,13 @@ class SamplingMetadata:
             bias_ids=np.full((s, MAX_LOGIT_BIAS), _PAD_ID, np.int32),
             bias_values=np.zeros((s, MAX_LOGIT_BIAS), np.float32),
             num_logprobs=np.zeros((s,), np.int32),
+            token_bitmask=np.full((s, num_mask_words), -1, np.int32),
             all_greedy=all_greedy, use_penalties=use_penalties,
             use_top_filters=use_top_filters and not all_greedy)
 
     @classmethod
-    def warmup_variants(cls, num_rows: int, max_model_len: int) -> list[SamplingMetadata]:
+    def warmup_variants(cls, num_rows: int, max_model_len: int,
+                        num_mask_words: int = 1) -> list[SamplingMetadata]:
         """One device input per distinct compiled program for this bucket (6 in all)."""
         variants = []
         for all_greedy in (True, False):
@@ -143,7 +159,8 @@ class SamplingMetadata:
                 for use_top_filters in ((False,) if all_greedy else (False, True)):
                     variants.append(jax.device_put(cls.dummy(
                         num_rows, max_model_len, all_greedy=all_greedy,
-                        use_penalties=use_penalties, use_top_filters=use_top_filters)))
+                        use_penalties=use_penalties, use_top_filters=use_top_filters,
+                        num_mask_words=num_mask_words)))
         return variants
 
 

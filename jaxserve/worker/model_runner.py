@@ -188,6 +188,7 @@ class ModelRunner:
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
         self.token_buckets, self.decode_buckets, self.seq_buckets = step_grids(
             rc.backend in PALLAS_BACKENDS, rc.max_num_seqs, rc.max_num_batched_tokens)
+        self.num_mask_words = (self.cfg.vocab_size + 31) // 32  # the sampler's token bitmask width
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
         host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
@@ -209,7 +210,7 @@ class ModelRunner:
         """Compile every program serving can run; returns how many compilations that took."""
         before = num_compilations()
         variants = [(s, md) for s in self.seq_buckets
-                    for md in SamplingMetadata.warmup_variants(s, self.rc.max_model_len)]
+                    for md in SamplingMetadata.warmup_variants(s, self.rc.max_model_len, self.num_mask_words)]
         programs = [(t, False) for t in self.token_buckets[1:]] + [(t, True) for t in self.decode_buckets]
         total = 1 + len(programs) + len(variants) + (3 if self.host_kv is not None else 1)
         with tqdm(total=total, desc="Warm-up (compiling buckets)", unit="program", disable=not progress) as bar:
@@ -290,7 +291,8 @@ class ModelRunner:
                 sample_ids.append((sr.request_id, params.logprobs or 0, j))
         if not infos:
             return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps)
-        md = SamplingMetadata.build_host(infos, bucket_for(len(infos), self.seq_buckets), self.rc.max_model_len)
+        md = SamplingMetadata.build_host(infos, bucket_for(len(infos), self.seq_buckets), self.rc.max_model_len,
+                                         out.token_bitmask, self.num_mask_words)
         return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps, sampling=md,
                             sample_ids=sample_ids)
 

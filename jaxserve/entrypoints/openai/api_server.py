@@ -33,7 +33,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.entrypoints import cli_args
 from jaxserve.entrypoints.openai import protocol as p
 from jaxserve.entrypoints.openai.engine_client import EngineClient
-from jaxserve.entrypoints.openai.errors import OpenAIError, from_validation_error
+from jaxserve.entrypoints.openai.errors import OpenAIError, from_validation_error, from_value_error
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
@@ -84,13 +84,16 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 
 def _endpoint(handler: Handler) -> Handler:
-    """One bad request never takes the server down: known errors are 4xx, the rest a logged 500."""
+    """One bad request never takes the server down: known errors are 4xx, the rest a logged 500.
+    A ValueError is bad input by this project's convention (its message names the field): a 400."""
 
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
         except OpenAIError as exc:
             return exc.response()
+        except ValueError as exc:
+            return from_value_error(exc).response()
         except Exception as exc:  # noqa: BLE001  (the server must stay up)
             logger.exception("internal error on %s %s", request.method, request.url.path)
             return OpenAIError(f"Internal server error: {exc!r}", status=500).response()
@@ -99,11 +102,15 @@ def _endpoint(handler: Handler) -> Handler:
 
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The ASGI app serving `engine`; each app has its own metrics registry."""
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, trust_request_chat_template: bool = False,
+              tool_parser: str | None = None, reasoning_parser: str | None = None) -> Starlette:
+    """The ASGI app serving `engine`; each app has its own metrics registry. `tool_parser`: parse
+    `tool_choice: auto` calls from the model's text (--enable-auto-tool-choice --tool-call-parser)."""
     metrics = ServerMetrics(engine)
     completions = ServingCompletion(engine, metrics)
-    chat = ServingChat(engine, metrics, load_chat_template(chat_template))
+    chat = ServingChat(engine, metrics, load_chat_template(chat_template),
+                       trust_request_chat_template=trust_request_chat_template, tool_parser=tool_parser,
+                       reasoning_parser=reasoning_parser)
     openapi = build_openapi(jaxserve.__version__)
 
     async def create_completion(request: Request) -> Response:
@@ -219,8 +226,12 @@ def run_server(config: cli_args.ServeConfig) -> int:
         engine = AsyncLLM.from_engine_args(config.engine)
     log_startup(engine, config.engine, time.monotonic() - start)
     try:
-        app = build_app(engine, api_key=config.server.api_key, chat_template=config.engine.chat_template,
-                        max_body_bytes=config.server.max_request_body_bytes)
+        server = config.server
+        app = build_app(engine, api_key=server.api_key, chat_template=config.engine.chat_template,
+                        max_body_bytes=server.max_request_body_bytes,
+                        trust_request_chat_template=server.trust_request_chat_template,
+                        tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+                        reasoning_parser=server.reasoning_parser)
         serve_app(app, config.server)
     finally:
         engine.shutdown()

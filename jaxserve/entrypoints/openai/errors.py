@@ -1,11 +1,14 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with an HTTP status.
 
 Handlers raise `OpenAIError`; the app turns it into a JSON response. Every other
-failure path (pydantic validation, a `SamplingParams` ValueError, an engine
-ValueError) is translated here so the shapes stay in one place.
+failure path (pydantic validation, a request's or the engine's ValueError, whose
+message starts with the field's name) is translated here so the shapes stay in one
+place; the server's endpoint wrapper is the one caller.
 """
 
 from __future__ import annotations
+
+import re
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -51,6 +54,8 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     # Union members show up in the location ("prompt", "list[int]", 0); keep field names and indices.
     names = [str(part) for part in err["loc"] if isinstance(part, int) or ("[" not in part and part != "str")]
     param = ".".join(names) or None
+    if err["type"] == "value_error":  # a model validator's ValueError: its message names the field
+        return from_value_error(ValueError(str(err["msg"]).removeprefix("Value error, ")), default_param=param)
     if err["type"] == "extra_forbidden":
         return OpenAIError(f"Unrecognized request argument supplied: {param}", param=param,
                            code="unrecognized_argument")
@@ -59,11 +64,12 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     return OpenAIError(f"Invalid value for '{param}': {err['msg']}", param=param, code="invalid_value")
 
 
-def from_value_error(exc: ValueError, *, fields: set[str], aliases: dict[str, str] | None = None) -> OpenAIError:
-    """`SamplingParams` messages start with the offending field's name; map it to the request's name."""
+_FIELD = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*):?\s")
+
+
+def from_value_error(exc: ValueError, *, default_param: str | None = None) -> OpenAIError:
+    """A 400 whose `param` is the field the message starts with (`name ...` or `name: ...`)."""
     message = str(exc)
-    first = message.split(" ", 1)[0]
-    param = first if first in fields else None
-    if param is not None and aliases:
-        param = aliases.get(param, param)
+    match = _FIELD.match(message)
+    param = match.group(1) if match and ("_" in match.group(1) or match.group(1).islower()) else default_param
     return OpenAIError(message, param=param, code="invalid_value")

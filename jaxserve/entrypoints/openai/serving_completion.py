@@ -31,20 +31,14 @@ class ServingCompletion(BaseServing):
         want_prompt_logprobs = req.echo and req.logprobs is not None
         request_id = random_id("cmpl")
         streams = []
+        self.check_token_ids(list(req.token_logit_bias() or {}), "logit_bias")
+        structured = req.structured_params()  # validated once for all prompts
         for i, (_, ids) in enumerate(prompts):
             max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, prompt_param="prompt",
                                                  max_tokens_param="max_tokens")
-            params = self.sampling_params(
-                n=req.n, best_of=req.best_of, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                min_p=req.min_p or 0.0, seed=req.seed, presence_penalty=req.presence_penalty or 0.0,
-                frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-                stop=req.stop, stop_token_ids=req.stop_token_ids,
-                include_stop_str_in_output=req.include_stop_str_in_output, ignore_eos=req.ignore_eos,
-                max_tokens=max_tokens, min_tokens=req.min_tokens, logprobs=req.logprobs,
+            params = req.to_sampling_params(
+                max_tokens, best_of=req.best_of, logprobs=req.logprobs, structured_outputs=structured,
                 prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
-                skip_special_tokens=req.skip_special_tokens, logit_bias=self.logit_bias(req.logit_bias),
                 use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
             streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs))
         firsts = await prime(streams)
@@ -67,7 +61,7 @@ class ServingCompletion(BaseServing):
         prompts: list[tuple[str, list[int]]] = []
         for item in raw:
             if isinstance(item, str):
-                prompts.append((item, self.encode(item)))
+                prompts.append((item, self.truncate(self.encode(item), req.truncate_prompt_tokens)))
             else:
                 ids = list(item)  # type: ignore[arg-type]  # list[int] by the schema
                 self.check_token_ids(ids, "prompt")
@@ -126,6 +120,7 @@ class ServingCompletion(BaseServing):
         sent_text: dict[int, int] = {}  # choice index -> characters sent
         sent_tokens: dict[int, int] = {}
         model = self.engine.model_name
+        num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, output in merged:
             prompt_text, prompt_ids = prompts[p]
             for j, out in enumerate(output.outputs[:req.n]):
@@ -148,9 +143,12 @@ class ServingCompletion(BaseServing):
                 choice = CompletionChoice(index=index, text=(prompt_text if first and req.echo else "") + delta,
                                           logprobs=logprobs, finish_reason=out.finish_reason,
                                           stop_reason=out.stop_reason)
-                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                usage = None
+                if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+                    done = sum(sent_tokens.values())
+                    usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=done, total_tokens=num_prompt + done)
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=usage))
         if req.stream_options is not None and req.stream_options.include_usage:
-            num_prompt = sum(len(ids) for _, ids in prompts)
             total = sum(sent_tokens.values())
             usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total)
             yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))

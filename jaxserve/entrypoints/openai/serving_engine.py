@@ -1,5 +1,5 @@
 """What /v1/completions and /v1/chat/completions share: model-name and length checks,
-sampling-parameter translation, one engine stream per prompt (aborted when its
+prompt truncation, one engine stream per prompt (aborted when its
 consumer goes away), logprob formatting and SSE framing.
 
 Prompts are tokenized here, not in the engine, so the length checks (and the
@@ -12,19 +12,16 @@ import json
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import fields
-
 import anyio
 from pydantic import BaseModel
 
 from jaxserve.engine.outputs import LogprobsDict, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.openai.engine_client import EngineClient
-from jaxserve.entrypoints.openai.errors import OpenAIError, from_value_error
+from jaxserve.entrypoints.openai.errors import OpenAIError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import TopLogprob
 
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -98,24 +95,12 @@ class BaseServing:
                 param=max_tokens_param, code="context_length_exceeded")
         return max_tokens
 
-    def logit_bias(self, raw: dict[str, float] | None) -> dict[int, float] | None:
-        if raw is None:
-            return None
-        try:
-            bias = {int(k): v for k, v in raw.items()}
-        except ValueError:
-            raise OpenAIError("logit_bias keys must be token ids (integers as strings)", param="logit_bias",
-                              code="invalid_value") from None
-        # Checked here: the device-side scatter would silently drop an out-of-range id.
-        self.check_token_ids(list(bias), "logit_bias")
-        return bias
-
-    @staticmethod
-    def sampling_params(aliases: dict[str, str] | None = None, **kwargs: object) -> SamplingParams:
-        try:
-            return SamplingParams(**kwargs)  # type: ignore[arg-type]  # typed by the request schema
-        except ValueError as exc:
-            raise from_value_error(exc, fields=SAMPLING_FIELDS, aliases=aliases) from None
+    def truncate(self, prompt_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """vLLM's truncate_prompt_tokens: keep the last k prompt tokens (-1: the context length less one)."""
+        if truncate_prompt_tokens is None:
+            return prompt_ids
+        keep = self.engine.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        return prompt_ids[-keep:] if keep > 0 else prompt_ids
 
     # --- engine streams ----------------------------------------------------------------------
 
@@ -137,7 +122,7 @@ class BaseServing:
                 if started:
                     raise
                 finished = True  # the engine refused it before starting (prompt length, ...): nothing to abort
-                raise OpenAIError(str(exc), code="invalid_value") from None
+                raise  # a 400 naming the field, by the endpoint wrapper
         finally:
             with anyio.CancelScope(shield=True):
                 if not finished:
