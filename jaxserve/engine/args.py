@@ -70,8 +70,11 @@ class EngineArgs:
               "runs on one device: tensor_parallel_size, data_parallel_size and num_hosts must be 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
               f"must be >= 2, got {self.max_model_len}")
-        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        # Refused above 0.95 (worker/sizing.py MAX_GPU_MEMORY_UTILIZATION): the runtime needs the rest.
+        check(0.0 < self.gpu_memory_utilization <= 0.95, "gpu_memory_utilization",
+              f"must be in (0, 0.95], got {self.gpu_memory_utilization}: the CUDA context, XLA's own "
+              "buffers and the allocator's fragmentation need the rest, and a higher setting dies of "
+              "out-of-memory under load")
         check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
               "num_gpu_blocks_override", "must be >= 1")
         check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")

@@ -18,6 +18,7 @@ import time
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax.sharding import Mesh
@@ -25,6 +26,7 @@ from jax.sharding import Mesh
 from jaxserve import parallel
 from jaxserve.engine import output_processor as op
 from jaxserve.engine.args import EngineArgs
+from jaxserve.worker import sizing
 from jaxserve.worker.kv_sizing import needs_profile, num_device_blocks
 from jaxserve.worker.model_runner import (ModelRunner, RunnerConfig, activation_bytes, kv_bytes_per_block,
                                           num_compilations)
@@ -40,7 +42,6 @@ from jaxserve.models.quant import calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model
 
 PromptType = str | list[int] | dict
-CPU_MAX_MODEL_LEN = 2048  # default cap on CPU, where long contexts are impractically slow
 
 
 class LLMEngine:
@@ -75,23 +76,27 @@ class LLMEngine:
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.model_name = args.served_model_name or self.model.name
-        self.max_model_len = args.max_model_len or min(
-            cfg.max_position_embeddings, CPU_MAX_MODEL_LEN if jax.default_backend() == "cpu" else 1 << 30)
-        max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
-                                                     else self.max_model_len)
+        self.max_model_len = args.max_model_len or sizing.default_max_model_len(
+            cfg.max_position_embeddings, jax.default_backend() == "cpu")
+        max_tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(
+            self.max_model_len, args.enable_chunked_prefill)
         backend = resolve_backend(args.attention_backend)
         kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
         per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
-        # What one device holds: its shard of each weight.
-        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
+        # What one device holds: its shard of each weight (tests/test_plan.py checks it against the arrays).
+        tp = parallel.tensor_parallel_size(mesh) if mesh is not None else 1
+        width = jnp.dtype(self.model.params["embed"].dtype).itemsize
+        self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, 1, args.quantization)
         min_blocks = -(-self.max_model_len // args.block_size)
         runner_config = functools.partial(
             RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend,
             kv_cache_dtype=args.kv_cache_dtype)
-        self.activation_bytes = (activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1))
-                                 if needs_profile(args) else 0)
-        self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, self.activation_bytes, min_blocks)
+        self.activation_bytes = 0
+        if needs_profile(args):  # XLA's figure; the shared estimate when the backend gives none
+            self.activation_bytes = activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1)) or \
+                sizing.activation_bytes_estimate(cfg, max_tokens, args.max_num_seqs, width, tp)
+        self.num_gpu_blocks = num_device_blocks(args, per_block, self.weight_bytes, self.activation_bytes, min_blocks)
         self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
                                if args.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(SchedulerConfig(

@@ -1,11 +1,13 @@
 """How many KV blocks the pool gets: an explicit count, a byte budget on CPU, or a
-fraction of device memory minus the weights and the measured activation peak."""
+fraction of device memory minus the weights and the measured activation peak (the arithmetic is
+worker/sizing.py's, shared with `jaxserve plan`)."""
 
 from __future__ import annotations
 
 import jax
 
 from jaxserve.engine.args import EngineArgs
+from jaxserve.worker.sizing import kv_budget
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -25,16 +27,17 @@ def num_device_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int,
                       min_blocks: int) -> int:
     """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error.
     activation_bytes: the largest bucket's temporary memory, from a compiled dry run."""
+    total = device_memory_bytes() if jax.default_backend() != "cpu" else None
+    if total is not None:  # refuse weights + activations over the allowed share, whatever sets the pool
+        budget = kv_budget(total, args.gpu_memory_utilization, weight_bytes, activation_bytes)
     if args.num_gpu_blocks_override is not None:
         blocks = args.num_gpu_blocks_override
         source = "--num-gpu-blocks-override"
     else:
-        total = device_memory_bytes() if jax.default_backend() != "cpu" else None
         if total is None:
             budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
             source = "--kv-cache-memory"
         else:
-            budget = int(total * args.gpu_memory_utilization) - weight_bytes - activation_bytes
             source = "--gpu-memory-utilization"
         blocks = budget // bytes_per_block
     if blocks < min_blocks:

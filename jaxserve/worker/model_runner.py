@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
+from jaxserve.worker import sizing
 from jaxserve.worker.input_batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
 from jaxserve.core.request import Request
 from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
@@ -392,7 +393,5 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
 
 def kv_bytes_per_block(cfg, block_size: int, dtype, mesh: Mesh | None = None) -> int:
     """K and V bytes of one block across all layers, on one device (its shard, under a mesh)."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, 1, block_size, cfg.head_dim)
-    if mesh is not None:
-        shape = parallel.kv_cache_sharding(mesh, cfg).shard_shape(shape)
-    return 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize
+    tp = parallel.tensor_parallel_size(mesh) if mesh is not None else 1
+    return sizing.kv_bytes_per_block(cfg, block_size, jnp.dtype(dtype).itemsize, tp)
