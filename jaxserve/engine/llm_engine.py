@@ -27,8 +27,8 @@ from jaxserve import parallel
 from jaxserve.engine import output_processor as op
 from jaxserve.engine.args import EngineArgs
 from jaxserve.worker import sizing
-from jaxserve.worker.kv_sizing import needs_profile, num_device_blocks
-from jaxserve.worker.model_runner import (ModelRunner, RunnerConfig, activation_bytes, kv_bytes_per_block,
+from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks
+from jaxserve.worker.model_runner import (ModelRunner, RunnerConfig, activation_bytes,
                                           num_compilations)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
@@ -60,7 +60,8 @@ class LLMEngine:
         if mesh is None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
             parallel.check_parallel_config(args.tensor_parallel_size, 1, args.pipeline_parallel_size,
                                            jax.device_count())
-            mesh = parallel.make_mesh(args.tensor_parallel_size, 1)
+            # Pipeline stages get a sub-mesh each (parallel/pipeline.py) instead of one mesh.
+            mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
         if model is None:
             model = load_model(args.model, args.dtype, progress, mesh=mesh)
@@ -70,6 +71,10 @@ class LLMEngine:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
             params = quantize_params(model.params, model.config, args.quantization, ids)
             model = dataclasses.replace(model, params=params)
+        self.model_dtype = model.params["embed"].dtype
+        self.pipeline = self._pipeline(model) if args.pipeline_parallel_size > 1 else None
+        if self.pipeline is not None:  # the engine keeps the last stage's params: the sampler's
+            model = dataclasses.replace(model, params=self.pipeline.sampler_params)
         self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
@@ -81,12 +86,14 @@ class LLMEngine:
         max_tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(
             self.max_model_len, args.enable_chunked_prefill)
         backend = resolve_backend(args.attention_backend)
-        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
-        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model_dtype, backend)
+        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh, args.pipeline_parallel_size,
+                                       args.tensor_parallel_size)
         # What one device holds: its shard of each weight (tests/test_plan.py checks it against the arrays).
-        tp = parallel.tensor_parallel_size(mesh) if mesh is not None else 1
-        width = jnp.dtype(self.model.params["embed"].dtype).itemsize
-        self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, 1, args.quantization)
+        tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
+        width = jnp.dtype(self.model_dtype).itemsize
+        self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
+                                                           args.quantization)
         min_blocks = -(-self.max_model_len // args.block_size)
         runner_config = functools.partial(
             RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -94,7 +101,8 @@ class LLMEngine:
             kv_cache_dtype=args.kv_cache_dtype)
         self.activation_bytes = 0
         if needs_profile(args):  # XLA's figure; the shared estimate when the backend gives none
-            self.activation_bytes = activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1)) or \
+            self.activation_bytes = (self.pipeline is None and activation_bytes(
+                self.model, runner_config(num_blocks=min_blocks + 1))) or \
                 sizing.activation_bytes_estimate(cfg, max_tokens, args.max_num_seqs, width, tp)
         self.num_gpu_blocks = num_device_blocks(args, per_block, self.weight_bytes, self.activation_bytes, min_blocks)
         self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
@@ -106,7 +114,7 @@ class LLMEngine:
             preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks,
             speculative=SpeculativeConfig.parse(args.speculative_config)))
         self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
-                                                            num_cpu_blocks=self.num_cpu_blocks), mesh)
+                                                            num_cpu_blocks=self.num_cpu_blocks), mesh, self.pipeline)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)
@@ -265,9 +273,19 @@ class LLMEngine:
             num_compilations_after_warmup=compiles - self.compilations_at_warmup,
             num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks)
 
+    def _pipeline(self, model: LoadedModel) -> "parallel.pipeline.Pipeline":
+        """Split the loaded params into stages on their own devices (from host copies, so the
+        one-device load does not stay resident beside them)."""
+        from jaxserve.parallel.pipeline import build_pipeline, host_params
+
+        if self.args.preemption_mode == "swap":
+            raise ValueError("preemption_mode: swap is not supported with pipeline_parallel_size > 1; use recompute")
+        return build_pipeline(host_params(model.params), model.config, self.args.tensor_parallel_size,
+                              self.args.pipeline_parallel_size, backend=resolve_backend(self.args.attention_backend))
+
     def startup_report(self) -> str:
         per_req = -(-self.max_model_len // self.args.block_size)
-        kv_values = kv_values_dtype(self.args.kv_cache_dtype, self.model.params["embed"].dtype).name
+        kv_values = kv_values_dtype(self.args.kv_cache_dtype, self.model_dtype).name
         sharding = ("" if self.mesh is None else
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "

@@ -5,8 +5,12 @@ worker/sizing.py's, shared with `jaxserve plan`)."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxserve.engine.args import EngineArgs
+from jaxserve import parallel
+from jaxserve.worker import sizing
 from jaxserve.worker.sizing import kv_budget
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -44,3 +48,10 @@ def num_device_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int,
         raise ValueError(f"{source}: the KV pool would hold {blocks} blocks, but one request of max_model_len "
                          f"needs {min_blocks}; give it more memory or lower --max-model-len")
     return int(blocks)
+
+
+def kv_bytes_per_block(cfg, block_size: int, dtype, mesh: Mesh | None = None, pipeline_parallel_size: int = 1,
+                       tensor_parallel_size: int | None = None) -> int:
+    """K and V bytes of one block across a stage's layers, on one device (its shard, under a mesh)."""
+    tp = parallel.tensor_parallel_size(mesh) if mesh is not None else (tensor_parallel_size or 1)
+    return sizing.kv_bytes_per_block(cfg, block_size, jnp.dtype(dtype).itemsize, tp, pipeline_parallel_size)

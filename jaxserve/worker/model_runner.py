@@ -31,7 +31,6 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
-from jaxserve.worker import sizing
 from jaxserve.worker.input_batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
 from jaxserve.core.request import Request
 from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
@@ -154,11 +153,15 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None) -> None:
+    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None, pipeline=None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
-        self.params = model.params  # already sharded over `mesh` when there is one
-        dtype = rc.kv_dtype(self.params["embed"].dtype)  # from the model's (matmul weights may be int8)
-        if mesh is None:
+        # sharded over `mesh` when there is one; with a `pipeline` (parallel/pipeline.py) its stages
+        # hold the layers and the pool, and these are the last stage's params (the sampler's)
+        self.params, self.pipeline = model.params, pipeline
+        dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
+        if pipeline is not None:
+            self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
+        elif mesh is None:
             self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
                                     self.cfg.head_dim, dtype)
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
@@ -170,7 +173,9 @@ class ModelRunner:
         host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
                       self.cfg.head_dim)
         self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
-        self._model_step = functools.partial(_model_step, cfg=self.cfg, backend=rc.backend)
+        self._copy_blocks = pipeline.per_stage(_copy_blocks) if pipeline is not None else _copy_blocks
+        self._model_step = (pipeline.step if pipeline is not None else
+                            functools.partial(_model_step, cfg=self.cfg, backend=rc.backend))
         # A mesh over several processes: host inputs go to the programs as numpy (each process
         # holds the same values), not device_put onto this process's default device.
         self.multi_process = mesh is not None and not all(d.process_index == jax.process_index()
@@ -194,8 +199,11 @@ class ModelRunner:
             _gather_rows(full, q_rows)
             bar.update(1)
             for t in self.token_buckets[1:]:
-                _model_step.lower(self.params, self.kv, self._empty_batch(t), rows, cfg=self.cfg,
-                                  backend=self.rc.backend).compile()
+                if self.pipeline is not None:  # its stage programs compile by running the bucket
+                    self.kv, _, _ = self._model_step(self.params, self.kv, self._empty_batch(t), rows)
+                else:
+                    _model_step.lower(self.params, self.kv, self._empty_batch(t), rows, cfg=self.cfg,
+                                      backend=self.rc.backend).compile()
                 # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
                 _gather_rows(_rows_like(full, t), q_rows)
@@ -205,7 +213,7 @@ class ModelRunner:
                 _fetch(_sample_step(self.params, hidden, self._input(md)))
                 bar.update(1)
             pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
-            self.kv = _copy_blocks(self.kv, np.zeros_like(pad), pad)
+            self.kv = self._copy_blocks(self.kv, np.zeros_like(pad), pad)
             bar.update(1)
             if self.host_kv is not None:
                 k, v = _fetch(_gather_blocks(self.kv, np.zeros_like(pad)))
@@ -316,7 +324,7 @@ class ModelRunner:
             self._swap_in(p.swap_in)
         for chunk in _chunks(p.copy_blocks, self.copy_width):
             src, dst = self._pad_pairs(chunk)
-            self.kv = _copy_blocks(self.kv, src, dst)
+            self.kv = self._copy_blocks(self.kv, src, dst)
 
     def _pad_pairs(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         src = np.zeros(self.copy_width, np.int32)
@@ -389,9 +397,3 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     compiled = _model_step.lower(model.params, kv, batch, rows, cfg=cfg, backend=rc.backend).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
-
-
-def kv_bytes_per_block(cfg, block_size: int, dtype, mesh: Mesh | None = None) -> int:
-    """K and V bytes of one block across all layers, on one device (its shard, under a mesh)."""
-    tp = parallel.tensor_parallel_size(mesh) if mesh is not None else 1
-    return sizing.kv_bytes_per_block(cfg, block_size, jnp.dtype(dtype).itemsize, tp)
