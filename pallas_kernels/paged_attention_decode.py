@@ -34,7 +34,7 @@ _STATIC = ("sm_scale", "sliding_window", "soft_cap")
 
 # Tuning, keyed by max_blocks_per_seq * block_size (the longest context a batch
 # can hold): how many splits of the context, and Triton launch parameters.
-# Untuned on a GPU so far (no device for issue 3).
+# Untuned guesses: the H200 figures in BENCHMARKS.md ran these.
 TUNING: dict[int, dict[str, int]] = {
     256: {"num_splits": 1, "num_warps": 4, "num_stages": 2},
     1024: {"num_splits": 2, "num_warps": 4, "num_stages": 2},

@@ -37,7 +37,7 @@ from pallas_kernels.reference_core import attend_reference
 _STATIC = ("sm_scale", "sliding_window", "soft_cap")
 
 # Tuning, keyed by head_dim class: q rows per tile (tokens x padded group) and
-# Triton launch parameters. Untuned on a GPU so far (no device for issue 3).
+# Triton launch parameters. Untuned guesses: the H200 figures in BENCHMARKS.md ran these.
 TUNING: dict[int, dict[str, int]] = {
     64: {"q_rows": 64, "num_warps": 4, "num_stages": 2},
     128: {"q_rows": 64, "num_warps": 4, "num_stages": 2},

@@ -6,7 +6,7 @@ stops it, and prints one table with jaxserve's ratios. Every server gets the sam
 requests: the log-normal dataset (medians 128/128, sigma 0.7, prompts clipped to
 16-1024 and outputs to 16-512 tokens), all at t=0, greedy, built with jaxserve's
 tokenizer of the default model (ids to jaxserve and llama.cpp, the same text to
-transformers serve). Example (the performance issue's run):
+transformers serve). Example (the first llama.cpp comparison in docs/benchmarks/log.md):
 
     .venv/bin/python scripts/bench_peers.py --peers jaxserve llamacpp \\
         --llama-server ~/llama.cpp/build/bin/llama-server --concurrency 16 32 --num-prompts 64

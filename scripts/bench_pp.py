@@ -61,17 +61,19 @@ def main() -> int:
     rows = np.zeros(4, np.int32)
     shape = (cfg.num_layers, cfg.num_kv_heads, 17, 16, cfg.head_dim)
 
+    prev = np.zeros(4, np.int32)
+
     def timed(step, params, kv) -> float:
-        kv, _, h = step(params, kv, batch, rows)  # compile
+        kv, _, h = step(params, kv, batch, rows, prev)  # compile
         jax.block_until_ready(h)
         t0 = time.perf_counter()
         for _ in range(a.iters):
-            kv, _, h = step(params, kv, batch, rows)
+            kv, _, h = step(params, kv, batch, rows, prev)
         jax.block_until_ready(h)
         return (time.perf_counter() - t0) / a.iters * 1e3
 
-    def single(params, kv, b, r):
-        return _model_step(params, kv, b, r, cfg=cfg, backend="reference")
+    def single(params, kv, b, r, prev_tokens):
+        return _model_step(params, kv, b, r, prev_tokens, cfg=cfg, backend="reference")
 
     one = timed(single, jax.device_put(host), (np.zeros(shape, np.float32),) * 2)
     mesh = parallel.make_mesh(a.devices, 1)

@@ -4,7 +4,7 @@
 #   2. greedy parity of the engine, Pallas vs reference (XLA) attention, on random weights of
 #      SmolLM2-135M's shape in float32 without TF32 (scripts/gpu_engine.py)
 #   3. where a step's time goes, Llama-3.1-8B's shape (scripts/profile_step.py)
-#   4. offline throughput on the performance issue's workload: SmolLM2-135M's shape in bfloat16
+#   4. offline throughput on BENCHMARKS.md's log-normal workload: SmolLM2-135M's shape in bfloat16
 #      with both backends (and their greedy agreement), then Llama-3.1-8B's shape
 # Needs only python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm and pyyaml
 # (all in the GPU image).
@@ -21,7 +21,7 @@ if [ -z "${PYTHON:-}" ]; then
     PYTHON=.venv/bin/python
   fi
 fi
-OUT=${OUT:-/tmp/gpu_check_out}  # gets two files: summary.txt and logs.txt (the device tool returns 8 at most)
+OUT=${OUT:-/tmp/gpu_check_out}  # gets two files: summary.txt and logs.txt (few files to copy back from a GPU machine)
 LOGS=${LOGS:-/tmp/gpu_check_logs}  # one log per stage
 NPZ=${NPZ:-/tmp/gpu_check_npz}  # greedy tokens for the parity stages
 mkdir -p "$OUT" "$LOGS" "$NPZ"

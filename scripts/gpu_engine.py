@@ -3,7 +3,7 @@ between the Pallas and the reference (XLA) attention backends.
 
 Random weights because the lent GPU machine reaches no hub and its working tree is capped
 at 64 MiB (the default model's GGUF is 98 MB): throughput depends on shapes, not values.
-Prompts are random token ids with the performance issue's log-normal lengths (median 128,
+Prompts are random token ids with BENCHMARKS.md's log-normal lengths (median 128,
 sigma 0.7, prompts clipped to 16-1024, outputs to 16-512), greedy, ignore_eos, all at t=0.
 
   python scripts/gpu_engine.py --model smollm2-135m --backend pallas --out /tmp/x

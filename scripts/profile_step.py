@@ -1,6 +1,6 @@
 """Where a serving step's time goes: the engine on a log-normal workload, timed by phase.
 
-Runs LLMEngine (the default model unless --model) on the performance issue's
+Runs LLMEngine (the default model unless --model) on BENCHMARKS.md's
 workload shape (log-normal prompt and output lengths, all requests at t=0,
 greedy, ignore_eos) and times each phase of every step with wall clocks:
 
@@ -95,7 +95,7 @@ def main() -> None:
     sched.schedule = timed("schedule", sched.schedule)
     runner.prepare = timed("prepare", runner.prepare)
     runner._model_step = timed("model", runner._model_step, sync=True)
-    model_runner._sample_step = timed("sample", model_runner._sample_step)
+    runner._sample_step = timed("sample", runner._sample_step)
     model_runner._fetch = timed("sample", model_runner._fetch)  # the sampled tokens' device-to-host wait
 
     for i, r in enumerate(requests):

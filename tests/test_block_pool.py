@@ -13,7 +13,7 @@ from jaxserve.core.block_pool import BlockPool, hash_block_tokens, hash_request_
 
 
 def test_no_jax_import() -> None:
-    # The host side must stay importable and testable without JAX (DESIGN.md, style 2).
+    # The host side must stay importable and testable without JAX (plain ints and lists).
     code = ("import sys, jaxserve.core.scheduler, jaxserve.core.kv_cache_manager; "
             "assert 'jax' not in sys.modules, 'scheduler imports jax'")
     subprocess.run([sys.executable, "-c", code], check=True)

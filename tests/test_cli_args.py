@@ -11,7 +11,6 @@ import pytest
 
 from jaxserve import cli
 from jaxserve.engine.args import EngineArgs
-from jaxserve.entrypoints import cli_args
 from jaxserve.entrypoints.cli_args import ConfigError, ServeConfig, add_serve_args, resolve
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -28,7 +27,7 @@ def test_defaults_match_engine_args() -> None:
     assert (config.server.host, config.server.port, config.server.api_key) == ("0.0.0.0", 8000, None)
 
 
-def test_issue_flags() -> None:
+def test_vllm_serve_flags() -> None:
     config = parse(["my-model", "--host", "127.0.0.1", "--port", "9000", "--served-model-name", "m",
                     "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",
                     "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--enable-chunked-prefill",
@@ -152,4 +151,6 @@ def test_missing_plugin_and_unknown_command(monkeypatch: pytest.MonkeyPatch) -> 
 def test_server_args_validation() -> None:
     with pytest.raises(ConfigError):
         parse(["--port", "70000"])
-    assert cli_args.ServerArgs().max_request_body_bytes > 0
+    with pytest.raises(ConfigError, match="max_request_body_bytes"):
+        parse(["--max-request-body-bytes", "0"])
+    assert parse(["--max-request-body-bytes", "1024"]).server.max_request_body_bytes == 1024

@@ -1,5 +1,5 @@
 """jaxserve/core/ (requests, block pool, KV cache manager, scheduler) is pure Python: each module,
-imported alone in a fresh interpreter, must not pull in JAX (DESIGN.md, style rule 2)."""
+imported alone in a fresh interpreter, must not pull in JAX (so it runs and is tested on plain ints)."""
 
 import pkgutil
 import subprocess

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from jaxserve.core.request import Request, RequestStatus
+from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import (ModelOutput, SampledToken, Scheduler, SchedulerConfig,
                                        SchedulerOutput)
@@ -56,6 +56,7 @@ class FakeRunner:
         self.dev: list[list[tuple[int, int] | None]] = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
         self.cpu: list[list[tuple[int, int] | None]] = [[None] * cfg.block_size
                                                         for _ in range(cfg.num_cpu_blocks)]
+        self.last: dict[str, SampledToken] = {}  # the previous step's samples, as the device keeps them
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
         bs = self.cfg.block_size
@@ -68,6 +69,9 @@ class FakeRunner:
         # Like the model: every layer writes the whole batch's KV, then attends.
         for sr in out.scheduled:
             for k, t in enumerate(sr.token_ids):
+                if t == PLACEHOLDER:  # async scheduling: the previous step's token, still "on the device"
+                    assert k == len(sr.token_ids) - 1 and sr.request_id in self.last, sr
+                    t = self.last[sr.request_id].token_id
                 p = sr.start_pos + k
                 self.dev[sr.block_ids[p // bs]][p % bs] = (t, p)
         sampled = {}
@@ -77,6 +81,7 @@ class FakeRunner:
                 ctx = [self.dev[sr.block_ids[p // bs]][p % bs] for p in range(end)]
                 assert all(c is not None and c[1] == p for p, c in enumerate(ctx)), sr.request_id
                 sampled[sr.request_id] = SampledToken(next_token([c[0] for c in ctx], salt(sr.request_id)))
+        self.last = sampled
         return ModelOutput(sampled)
 
 
@@ -95,12 +100,24 @@ def make_request(rid: str, prompt: list[int], arrival: float = 0.0, parent: str 
 
 
 def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: int = 5000,
-        check: bool = True) -> Run:
-    """Drive schedule/execute/update; `arrivals` are (step, request) pairs."""
+        check: bool = True, async_scheduling: bool = False) -> Run:
+    """Drive schedule/execute/update; `arrivals` are (step, request) pairs. With
+    `async_scheduling`, step N's update comes after step N+1 was scheduled and executed."""
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     pending = sorted(arrivals, key=lambda a: a[0])
+    by_id = {r.request_id: r for _, r in arrivals}
     done: dict[str, Request] = {}
     steps = []
+    in_flight: list[tuple[SchedulerOutput, ModelOutput]] = []
+
+    def apply(out: SchedulerOutput, model_out: ModelOutput) -> None:
+        for update in sched.update(out, model_out):
+            req = by_id[update.request_id]
+            assert req.output_token_ids[-len(update.new_tokens):] == [t.token_id for t in update.new_tokens]
+            assert update.finished == req.is_finished
+            if update.finished:
+                done[req.request_id] = req
+
     for step in range(max_steps):
         while pending and pending[0][0] <= step:
             sched.add_request(pending.pop(0)[1])
@@ -120,9 +137,9 @@ def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: in
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
         steps.append(out)
-        for req in sched.update(out, runner.execute(out)):
-            if req.is_finished:
-                done[req.request_id] = req
+        in_flight.append((out, runner.execute(out)))
+        while len(in_flight) > int(async_scheduling):
+            apply(*in_flight.pop(0))
     else:
         raise AssertionError("requests did not finish")
     if check:
@@ -261,8 +278,9 @@ WORKLOADS = [
 
 @pytest.mark.parametrize("mode, chunked, caching, num_blocks", WORKLOADS)
 @pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_mixed_workload_matches_reference(mode: str, chunked: bool, caching: bool,
-                                          num_blocks: int, seed: int) -> None:
+                                          num_blocks: int, seed: int, async_scheduling: bool) -> None:
     rng = random.Random(seed)
     cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8,
                           max_num_batched_tokens=32 if chunked else 64, max_model_len=64,
@@ -274,7 +292,7 @@ def test_mixed_workload_matches_reference(mode: str, chunked: bool, caching: boo
         prompt = (shared if rng.random() < 0.5 else []) + random_prompt(rng, 1, 40)
         reqs.append(make_request(f"r{i}", prompt[:60], arrival=float(i), max_tokens=rng.randint(1, 20),
                                  ignore_eos=rng.random() < 0.5))
-    result = run(cfg, [(rng.randint(0, 30), r) for r in reqs])
+    result = run(cfg, [(rng.randint(0, 30), r) for r in reqs], async_scheduling=async_scheduling)
     assert_matches_reference(result, reqs, cfg.max_model_len)
     stats = result.sched.stats()
     assert (stats.num_preemptions > 0) == (num_blocks < 100)
@@ -445,8 +463,11 @@ def test_prefix_cache_hits_on_repeated_prompt() -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_random_configs_with_forks_and_aborts(seed: int) -> None:
-    """Everything at once: random pool/budget/mode, parallel samples, aborts mid-flight."""
+    """Everything at once: random pool/budget/mode, parallel samples, aborts mid-flight; even
+    seeds schedule asynchronously (step N's update after step N+1 ran)."""
     rng = random.Random(100 + seed)
+    async_scheduling = seed % 2 == 0
+    in_flight: list[tuple[SchedulerOutput, ModelOutput]] = []
     chunked = rng.random() < 0.5
     mode = rng.choice(["recompute", "swap"])
     cfg = SchedulerConfig(num_blocks=rng.randint(12, 40), block_size=rng.choice([2, 4, 8]),
@@ -477,12 +498,16 @@ def test_random_configs_with_forks_and_aborts(seed: int) -> None:
             break
         out = sched.schedule()
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens and len(out.scheduled) <= cfg.max_num_seqs
-        sched.update(out, runner.execute(out))
+        in_flight.append((out, runner.execute(out)))
+        while len(in_flight) > int(async_scheduling):
+            sched.update(*in_flight.pop(0))
         pool = sched.kv.block_pool
         owned = [b for t in sched.kv.req_to_blocks.values() for b in t]
         assert all(pool.ref_counts[b] == owned.count(b) for b in range(cfg.num_blocks))
     else:
         raise AssertionError("requests did not finish")
+    for late in in_flight:  # async: a step scheduled before the last update; its results are dropped
+        assert sched.update(*late) == []
     assert sched.kv.num_free_blocks == cfg.num_blocks and sched.kv.cpu_usage == 0.0
     done = [r for r in reqs if r.request_id not in aborted]
     assert all(r.is_finished for r in reqs)

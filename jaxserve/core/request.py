@@ -13,6 +13,11 @@ from dataclasses import dataclass, field
 from jaxserve.core.sampling_params import SamplingParams
 
 
+# The input token of a decode step whose previous step is still on the device: the runner takes
+# its value from that step's sampled ids on the device (async scheduling).
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -46,7 +51,17 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     # Set for the 2nd..nth parallel sample: the request id of the first sample.
     parent_id: str | None = None
-    output_token_ids: list[int] = field(default_factory=list)
+    # The sampler's seed: SamplingParams.seed (+ the sample's index for n > 1), or one the engine
+    # drew at admission. Row keys are fold_in(key(seed), output index): batch-independent.
+    seed: int = 0
+    output_token_ids: list[int] = field(default_factory=list)  # known tokens (placeholders excluded)
+    # Async scheduling: tokens sampled by steps still on the device. They count in num_tokens (the
+    # next step's input is one, taken on the device from the step that sampled it) but not in
+    # output_token_ids, which `Scheduler.update` fills when the step's results arrive.
+    num_output_placeholders: int = 0
+    # Async scheduling: a step that carried drafts is in flight, so how many tokens it accepts
+    # (the next position) is unknown until its update: not schedulable until then.
+    drafts_in_flight: bool = False
     # Tokens whose KV is in the cache (device or, while swapped, host).
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -61,7 +76,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt + outputs, placeholders included: the length the next step extends."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,13 +88,16 @@ class Request:
         return len(self.output_token_ids)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building all_token_ids (decode: one token)."""
+        """all_token_ids[start:end] without building all_token_ids (decode: one token); positions
+        of tokens still on the device are PLACEHOLDER."""
         n = self.num_prompt_tokens
         if start >= n:
-            return self.output_token_ids[start - n:end - n]
-        if end <= n:
+            ids = self.output_token_ids[start - n:end - n]
+        elif end <= n:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        else:
+            ids = self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+        return ids + [PLACEHOLDER] * (end - start - len(ids))
 
     @property
     def is_finished(self) -> bool:
@@ -104,6 +123,7 @@ class Request:
         """
         params = self.sampling_params
         last = self.output_token_ids[-1]
+        num_known = self.num_prompt_tokens + self.num_output_tokens  # an in-flight step's token is no end
         if self.num_output_tokens >= params.min_tokens:
             if last in (params.stop_token_ids or ()):
                 self.status, self.stop_reason = RequestStatus.FINISHED_STOPPED, last
@@ -112,7 +132,7 @@ class Request:
                                           or last in params.eos_token_ids):
                 self.status = RequestStatus.FINISHED_STOPPED
                 return True
-        if self.num_tokens >= self.max_total_tokens(max_model_len):
+        if num_known >= self.max_total_tokens(max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

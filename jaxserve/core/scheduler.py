@@ -33,11 +33,11 @@ from collections.abc import Iterable
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
-from jaxserve.core.scheduler_output import (ModelOutput, SampledToken, ScheduledRequest,
-                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
+from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
+                                            SchedulerConfig, SchedulerOutput, SchedulerStats)
 from jaxserve.core.spec_decode import propose_ngram
 
-__all__ = ["ModelOutput", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
+__all__ = ["ModelOutput", "RequestUpdate", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
 
 
@@ -61,6 +61,9 @@ class Scheduler:
         self.spec_num_drafts = 0
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self._in_flight: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests, until update
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -179,7 +182,7 @@ class Scheduler:
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget) if self._ready(req) else 0
             if num_new <= 0:
                 i += 1
                 continue
@@ -206,6 +209,15 @@ class Scheduler:
             i += 1
         return preempted
 
+    def _ready(self, req: Request) -> bool:
+        """Async scheduling: whether a running request may be scheduled while its last step is on
+        the device. Not when that step carried drafts (its next position is unknown), when the
+        sampler needs its whole history (penalties), or when the in-flight tokens reach its end."""
+        if req.num_output_placeholders == 0:
+            return True
+        return not (req.drafts_in_flight or req.sampling_params.needs_penalties
+                    or req.num_tokens >= req.max_total_tokens(self.config.max_model_len))
+
     def _draft_budget(self) -> int:
         """Draft tokens this step may carry in all. Every scheduled request samples a row and a
         step samples at most max_num_seqs rows, so drafts take only the rows no request can."""
@@ -228,7 +240,8 @@ class Scheduler:
     def _drafts(self, req: Request, num_new: int, limit: int) -> list[int]:
         """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []."""
         spec = self.config.speculative
-        if spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1:
+        if (spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1
+                or req.num_output_placeholders):
             return []
         if not req.sampling_params.greedy:
             return []
@@ -243,6 +256,8 @@ class Scheduler:
         budget = self._budget_left(out)
         while self.swapped and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
+            if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
+                break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new <= 0:
                 break
@@ -261,6 +276,8 @@ class Scheduler:
         caching = self.config.enable_prefix_caching
         while self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
+                break
             rid = req.request_id
             assert req.num_computed_tokens == 0, "waiting requests hold no KV"
             # Prompt logprobs need every prompt position computed, so such a request reads no cached prefix.
@@ -292,11 +309,22 @@ class Scheduler:
 
     def _add_scheduled(self, out: SchedulerOutput, req: Request, num_new: int, drafts: list[int] = ()) -> None:
         start = req.num_computed_tokens
+        params = req.sampling_params
         out.scheduled.append(ScheduledRequest(
             request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new) + list(drafts),
             start_pos=start,
             block_ids=list(self.kv.get_block_ids(req.request_id)),
-            sample=start + num_new == req.num_tokens, num_drafts=len(drafts)))
+            sample=start + num_new == req.num_tokens, num_drafts=len(drafts),
+            sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
+            num_output_tokens=req.num_output_tokens + req.num_output_placeholders,
+            output_token_ids=req.output_token_ids if params.needs_penalties else []))
+        self.num_prompt_tokens += max(0, min(start + num_new, req.num_prompt_tokens) - start)
+        # The step is as good as done for the next schedule(): its KV will be on the device first.
+        req.num_computed_tokens = start + num_new
+        if out.scheduled[-1].sample:
+            req.num_output_placeholders += 1
+            req.drafts_in_flight = bool(drafts)
+        self._in_flight.setdefault(id(out), []).append(req)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         """`victim` is already out of `running`. Swap it out, else recompute later."""
@@ -316,48 +344,63 @@ class Scheduler:
         out.preempted_ids.append(victim.request_id)
 
     # -- results ------------------------------------------------------------
-    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[Request]:
-        bs = self.config.block_size
-        changed: list[Request] = []
+    def update(self, out: SchedulerOutput, model_output: ModelOutput) -> list[RequestUpdate]:
+        """Apply a step's sampled tokens: per request that sampled, the tokens it accepted and
+        whether that ended it. With async scheduling the next step is already scheduled (and may
+        have preempted some of these requests); results of requests finished or aborted since
+        `schedule()` are dropped, so no token past a request's end reaches anyone."""
+        updates: list[RequestUpdate] = []
         finished: list[Request] = []
-        for sched in out.scheduled:
-            req = self.requests.get(sched.request_id)
-            # Aborted (or re-added) between schedule() and update(): drop its results.
-            if req is None or req.status != RequestStatus.RUNNING or req.num_computed_tokens != sched.start_pos:
+        bs = self.config.block_size
+        for sched, req in zip(out.scheduled, self._in_flight.pop(id(out), [])):
+            if self.requests.get(sched.request_id) is not req:
                 continue
-            num_drafts = sched.num_drafts
-            req.num_computed_tokens += len(sched.token_ids) - num_drafts
+            running = req.status == RequestStatus.RUNNING
             if sched.sample:
-                token = model_output.sampled.get(req.request_id)
-                if token is None:  # it would sit forever with nothing left to compute
-                    raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
-                tokens = [token]
-                if num_drafts:
-                    tokens += model_output.draft_sampled[req.request_id]
-                    drafts = sched.token_ids[-num_drafts:]
-                    self.spec_num_drafts += 1
-                    self.spec_num_draft_tokens += num_drafts
-                changed.append(req)
-                for j, tok in enumerate(tokens):
-                    req.output_token_ids.append(tok.token_id)
-                    if req.check_stop(self.config.max_model_len):
-                        finished.append(req)
-                        break
-                    if j == num_drafts or drafts[j] != tok.token_id:
-                        break
-                    # The model's token is draft j: its KV, computed this step, holds.
-                    req.num_computed_tokens += 1
-                    self.spec_num_accepted_tokens += 1
-            if self.config.enable_prefix_caching and req.num_computed_tokens // bs > sched.start_pos // bs:
-                self.kv.cache_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-        if finished:
-            done = set(id(r) for r in finished)
-            self.running = [r for r in self.running if id(r) not in done]
+                req.num_output_placeholders -= 1
+                accepted = self._accept(req, sched, model_output, running)
+                self.num_generation_tokens += len(accepted)
+                updates.append(RequestUpdate(req.request_id, accepted, req.finish_reason, req.stop_reason,
+                                             req.num_cached_tokens))
+                if req.is_finished:
+                    finished.append(req)
+            num_cached = min(req.num_computed_tokens, req.num_prompt_tokens + req.num_output_tokens)
+            if self.config.enable_prefix_caching and running and num_cached // bs > sched.start_pos // bs:
+                self.kv.cache_blocks(req.request_id, req.all_token_ids, num_cached)
         # Fork before freeing, so a parent that finished on its first token still lends its blocks.
         self._fork_pending()
         for req in finished:
+            self._unqueue(req)
             self._release(req)
-        return changed
+        return updates
+
+    def _accept(self, req: Request, sched: ScheduledRequest, model_output: ModelOutput,
+                running: bool) -> list[SampledToken]:
+        """Append the sampled token, then each draft-row token while the model agreed with the
+        draft before it; stop at the first stop condition. Returns the tokens appended.
+        `running`: False for a request preempted since the step was scheduled, whose KV is
+        recomputed (or swapped back) from its tokens anyway."""
+        token = model_output.sampled.get(req.request_id)
+        if token is None:  # it would sit forever with nothing left to compute
+            raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
+        num_drafts = sched.num_drafts
+        tokens = [token]
+        drafts = sched.token_ids[len(sched.token_ids) - num_drafts:]
+        if num_drafts:
+            req.drafts_in_flight = False
+            tokens += model_output.draft_sampled[req.request_id]
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += num_drafts
+        accepted = []
+        for j, tok in enumerate(tokens):
+            req.output_token_ids.append(tok.token_id)
+            accepted.append(tok)
+            if req.check_stop(self.config.max_model_len) or j == num_drafts or drafts[j] != tok.token_id:
+                break
+            # The model's token is draft j: its KV, computed this step, holds.
+            req.num_computed_tokens += running
+            self.spec_num_accepted_tokens += 1
+        return accepted
 
     # -- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -377,4 +420,5 @@ class Scheduler:
             prefix_cache_hits=self.prefix_cache_hits,
             num_preemptions=self.num_preemptions, spec_num_drafts=self.spec_num_drafts,
             spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens)
+            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)

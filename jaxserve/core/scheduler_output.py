@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.spec_decode import SpeculativeConfig
 
 PREEMPTION_MODES = ("recompute", "swap")
@@ -62,6 +63,13 @@ class ScheduledRequest:
     # Speculative drafts: the last num_drafts of token_ids are proposed, not yet accepted. The
     # runner samples after each of them too (ModelOutput.draft_sampled).
     num_drafts: int = 0
+    # What the sampler reads, so the runner never needs the live Request. The lists are the
+    # request's own (not copies): the runner only reads them, during this step.
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int = 0  # the request's seed; row j of a request samples with key(seed, num_output_tokens + j)
+    prompt_token_ids: list[int] = field(default_factory=list)  # prompt logprob targets, penalties
+    num_output_tokens: int = 0  # before this step: the sampling step index and min_tokens
+    output_token_ids: list[int] = field(default_factory=list)  # the penalties' history
 
 
 @dataclass
@@ -101,6 +109,24 @@ class ModelOutput:
 
 
 @dataclass
+class RequestUpdate:
+    """What one scheduled request gained in a step, returned by `Scheduler.update`: the tokens
+    accepted (one, or more with accepted drafts; none for a prefill chunk) with their logprobs,
+    and how it ended when it did. The scheduler's Request is the one owner of output tokens;
+    everything downstream reads them from here."""
+
+    request_id: str
+    new_tokens: list[SampledToken]
+    finish_reason: str | None = None  # "stop" / "length" once finished
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int  # includes parallel samples waiting to fork off their parent
@@ -113,3 +139,5 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # cumulative, request-steps that carried drafts
     spec_num_draft_tokens: int = 0  # cumulative
     spec_num_accepted_tokens: int = 0  # cumulative, drafts the model agreed with
+    num_prompt_tokens: int = 0  # cumulative, prompt tokens computed (recomputes included)
+    num_generation_tokens: int = 0  # cumulative, output tokens accepted

@@ -54,6 +54,10 @@ class EngineArgs:
     # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": None} (spec_decode.py).
     speculative_config: dict | None = None
+    # vLLM's --async-scheduling: the host schedules and prepares step N+1 while the device runs
+    # step N; sampled ids stay on the device and feed step N+1. None: on for accelerators (and
+    # one host), off on CPU, where host and "device" share the same cores (BENCHMARKS.md).
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, msg: str) -> None:

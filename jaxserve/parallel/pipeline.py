@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -35,11 +36,13 @@ from jaxserve.worker.sizing import stage_layer_ranges
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "first", "last"), donate_argnums=1)
-def _stage_step(params, kv, h, batch, rows, *, cfg, backend, first, last):
+def _stage_step(params, kv, h, batch, rows, prev_tokens, *, cfg, backend, first, last):
     """One stage: tokens (first) or the previous stage's h [T, hidden] through its layers; the last
-    stage also returns the final-normed rows [P, hidden] and all positions [T, hidden]."""
+    stage also returns the final-normed rows [P, hidden] and all positions [T, hidden].
+    prev_tokens [P] i32: the previous step's sampled ids (async scheduling), as model_runner's step."""
     if first:
-        h = params["embed"][batch.token_ids]
+        token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
+        h = params["embed"][token_ids]
     kv, h = llama.run_layers(params["layers"], cfg, kv, h, batch.positions, batch.attn, backend)
     if last:
         h = llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
@@ -92,7 +95,7 @@ class Pipeline:
             return tuple(x for s in range(len(self.ranges)) for x in fn((kv[2 * s], kv[2 * s + 1]), *args))
         return apply
 
-    def step(self, params, kv: tuple[jax.Array, ...], batch, rows):
+    def step(self, params, kv: tuple[jax.Array, ...], batch, rows, prev_tokens):
         """The model step over all stages: (kv, hidden rows [P, hidden], hidden [T, hidden]).
         `params` is ignored (the stages hold theirs); the signature is model_runner's step's."""
         del params
@@ -100,9 +103,12 @@ class Pipeline:
         h = None
         last = len(self.ranges) - 1
         for s, (sp, cfg, mesh) in enumerate(zip(self.params, self.stage_configs, self.meshes)):
+            replicated = NamedSharding(mesh, P())
             if h is not None:  # the residual stream to this stage's devices
-                h = jax.device_put(h, NamedSharding(mesh, P()))
-            out = _stage_step(sp, (kv[2 * s], kv[2 * s + 1]), h, batch, rows, cfg=cfg, backend=self.backend,
+                h = jax.device_put(h, replicated)
+            else:  # the last sampled ids come from the sampler, on the last stage's devices
+                prev_tokens = jax.device_put(prev_tokens, replicated)
+            out = _stage_step(sp, (kv[2 * s], kv[2 * s + 1]), h, batch, rows, prev_tokens, cfg=cfg, backend=self.backend,
                               first=s == 0, last=s == last)
             new_kv += out[0]
             h = out[1]

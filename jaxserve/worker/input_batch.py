@@ -11,11 +11,13 @@ step compiles once per token bucket; only the sampler sees the seq bucket S.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 
+from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.models.attention import AttentionMetadata
 
@@ -25,6 +27,9 @@ from jaxserve.models.attention import AttentionMetadata
 class StepInput:
     token_ids: jax.Array  # [T] i32, 0 for padding
     positions: jax.Array  # [T] i32
+    # [T] i32, async scheduling: the row of the previous step's sampled ids that is this token
+    # (a decode input still on the device), else -1
+    prev_rows: jax.Array
     attn: AttentionMetadata  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
 
 
@@ -76,10 +81,13 @@ def bucket_for(n: int, grid: list[int]) -> int:
 
 
 def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_blocks_per_seq: int,
-         block_size: int) -> tuple[StepInput, list[int]]:
+         block_size: int, prev_sample_rows: Mapping[str, int] | None = None) -> tuple[StepInput, list[int]]:
     """Host-side numpy batch, and the flat rows to sample (in order): each sampling request's last
-    token, preceded by its last real token's row and its other drafts' when it carries drafts."""
+    token, preceded by its last real token's row and its other drafts' when it carries drafts.
+    `prev_sample_rows`: request id -> its row in the previous step's sampled ids, for PLACEHOLDER inputs."""
+    prev_rows_by_id = prev_sample_rows or {}
     tokens = np.zeros(num_tokens_padded, np.int32)
+    prev_rows = np.full(num_tokens_padded, -1, np.int32)
     positions = np.zeros(num_tokens_padded, np.int32)
     slots = np.full(num_tokens_padded, -1, np.int32)
     kv_lens = np.zeros(max_num_seqs, np.int32)
@@ -92,6 +100,9 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
         pos = np.arange(sr.start_pos, sr.start_pos + n, dtype=np.int32)
         blocks = np.asarray(sr.block_ids, np.int32)
         tokens[t:t + n] = sr.token_ids
+        if sr.token_ids[-1] == PLACEHOLDER:  # only ever a decode's one input (see Scheduler._ready)
+            tokens[t + n - 1] = 0
+            prev_rows[t + n - 1] = prev_rows_by_id[sr.request_id]
         positions[t:t + n] = pos
         slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         kv_lens[i] = sr.start_pos + n
@@ -103,4 +114,4 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
     cu[len(out.scheduled) + 1:] = t
     attn = AttentionMetadata(slot_mapping=slots, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu,
                              num_seqs=np.asarray([len(out.scheduled)], np.int32))
-    return StepInput(tokens, positions, attn), sample_rows
+    return StepInput(tokens, positions, prev_rows, attn), sample_rows

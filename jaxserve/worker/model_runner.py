@@ -9,8 +9,9 @@ bucket T, and the LM head plus sampler once per (seq bucket S, sampler variant),
 instead of the product of all three.
 
 A step is `execute = run(prepare(...))`:
-    prepare(sched_out, requests, seeds) -> PreparedStep   host only: numpy batch, block ops, sampler inputs
-    run(prepared) -> ModelOutput                           device only: the same programs in the same order
+    prepare(sched_out) -> PreparedStep      host only: numpy batch, block ops, sampler inputs
+    run(prepared) -> ModelOutput            device only: the same programs in the same order
+The scheduler's output is all `prepare` reads: it never sees a live Request.
 so a multi-host run (engine/multihost.py) builds the PreparedStep on rank 0, sends it to
 every other rank, and all ranks call `run` on it (JAX's multi-controller model).
 """
@@ -20,7 +21,6 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,8 @@ from tqdm.auto import tqdm
 
 from jaxserve import parallel
 from jaxserve.worker.input_batch import StepInput, bucket_for, pack, step_seq_buckets, step_token_buckets
-from jaxserve.core.request import Request
 from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
-from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata
+from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models import llama
 from jaxserve.models.attention import kv_pool_dtype, make_kv_cache
@@ -63,8 +62,10 @@ def num_compilations() -> int:
 # Module-level jitted programs with the model config static: engines of the same model and
 # shapes in one process (tests, `bench sweep`) share compiled executables.
 @functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=1)
-def _model_step(params, kv, batch: StepInput, rows, *, cfg, backend):
-    kv, hidden = llama.forward(params, cfg, kv, batch.token_ids, batch.positions, batch.attn, backend)
+def _model_step(params, kv, batch: StepInput, rows, prev_tokens, *, cfg, backend):
+    # prev_tokens [P] i32: the previous step's sampled ids, still on the device (async scheduling)
+    token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
+    kv, hidden = llama.forward(params, cfg, kv, token_ids, batch.positions, batch.attn, backend)
     return kv, hidden[rows], hidden  # [P, hidden]: the sampling tokens' last positions; [T, hidden]: all
 
 
@@ -84,10 +85,12 @@ def _prompt_logprobs_step(params, hidden, targets) -> SamplerOutput:
     return compute_logprobs(llama.compute_logits(params, hidden), targets)
 
 
-@jax.jit
-def _sample_step(params, hidden, md: SamplingMetadata) -> SamplerOutput:
+@functools.partial(jax.jit, static_argnames="num_rows")
+def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int) -> tuple[SamplerOutput, jax.Array]:
+    """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs."""
     logits = llama.compute_logits(params, hidden[: md.temperature.shape[0]])  # LM head on S rows only
-    return sample(logits, md)
+    so = sample(logits, md)
+    return so, jnp.zeros((num_rows,), jnp.int32).at[: so.token_ids.shape[0]].set(so.token_ids)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
@@ -152,6 +155,27 @@ class PreparedStep:
         return bool(self.swap_out or self.swap_in or self.copy_blocks) or self.batch is not None
 
 
+@dataclass
+class PendingStep:
+    """A dispatched step: `result()` waits for its sampled tokens and reads them to the host."""
+    prepared: PreparedStep
+    prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
+    sampled: SamplerOutput | None = None  # device arrays until result()
+
+    def result(self) -> ModelOutput:
+        out = ModelOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.sampled is None:
+            return out
+        so = _fetch(self.sampled)
+        for i, (rid, n, j) in enumerate(self.prepared.sample_ids):
+            token = _sampled(so, i, int(so.token_ids[i]), n)
+            if j == 0:
+                out.sampled[rid] = token
+            else:
+                out.draft_sampled.setdefault(rid, []).append(token)
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None, pipeline=None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
@@ -176,6 +200,11 @@ class ModelRunner:
         self._copy_blocks = pipeline.per_stage(_copy_blocks) if pipeline is not None else _copy_blocks
         self._model_step = (pipeline.step if pipeline is not None else
                             functools.partial(_model_step, cfg=self.cfg, backend=rc.backend))
+        self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows)
+        # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
+        # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
+        self._prev_tokens = jax.device_put(np.zeros(self.num_rows, np.int32))
+        self._prev_sample_rows: dict[str, int] = {}
         # A mesh over several processes: host inputs go to the programs as numpy (each process
         # holds the same values), not device_put onto this process's default device.
         self.multi_process = mesh is not None and not all(d.process_index == jax.process_index()
@@ -195,22 +224,23 @@ class ModelRunner:
             # others are compiled ahead of time, not run: jit's own cache then holds them, and
             # a restart loading them from the persistent cache skips about 4 s of empty steps.
             smallest = self._empty_batch(self.token_buckets[0])
-            self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows)
+            self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows, self._prev_tokens)
             _gather_rows(full, q_rows)
             bar.update(1)
             for t in self.token_buckets[1:]:
                 if self.pipeline is not None:  # its stage programs compile by running the bucket
-                    self.kv, _, _ = self._model_step(self.params, self.kv, self._empty_batch(t), rows)
+                    self.kv, _, _ = self._model_step(self.params, self.kv, self._empty_batch(t), rows,
+                                                     self._prev_tokens)
                 else:
-                    _model_step.lower(self.params, self.kv, self._empty_batch(t), rows, cfg=self.cfg,
-                                      backend=self.rc.backend).compile()
+                    _model_step.lower(self.params, self.kv, self._empty_batch(t), rows, self._prev_tokens,
+                                      cfg=self.cfg, backend=self.rc.backend).compile()
                 # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
                 _gather_rows(_rows_like(full, t), q_rows)
                 bar.update(1)
             _fetch(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows))
             for _, md in variants:
-                _fetch(_sample_step(self.params, hidden, self._input(md)))
+                _fetch(self._sample_step(self.params, hidden, self._input(md)))
                 bar.update(1)
             pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
             self.kv = self._copy_blocks(self.kv, np.zeros_like(pad), pad)
@@ -231,31 +261,40 @@ class ModelRunner:
         return jax.device_get(tree) if self.multi_process else jax.device_put(tree)
 
     # ---- one step --------------------------------------------------------------------------------
-    def execute(self, out: SchedulerOutput, requests: Mapping[str, Request], seeds: Mapping[str, int]) -> ModelOutput:
-        return self.run(self.prepare(out, requests, seeds))
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        return self.execute_async(out).result()
 
-    def prepare(self, out: SchedulerOutput, requests: Mapping[str, Request],
-                seeds: Mapping[str, int]) -> PreparedStep:
+    def execute_async(self, out: SchedulerOutput) -> PendingStep:
+        """Issue the step's device work and return without waiting for it."""
+        return self.dispatch(self.prepare(out))
+
+    def prepare(self, out: SchedulerOutput) -> PreparedStep:
         """Everything host-side: pack the batch, pick the sampling rows, build the sampler inputs."""
         ops = dict(swap_out=list(out.swap_out), swap_in=list(out.swap_in), copy_blocks=list(out.copy_blocks))
+        prepared = self._prepare(out, ops)
+        self._prev_sample_rows = {rid: i for i, (rid, _, j) in enumerate(prepared.sample_ids) if j == 0}
+        return prepared
+
+    def _prepare(self, out: SchedulerOutput, ops: dict) -> PreparedStep:
         if not out.scheduled:
             return PreparedStep(**ops)
         t = bucket_for(out.num_batched_tokens, self.token_buckets)
-        batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size)
+        batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
+                                  self._prev_sample_rows)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
-        prompt_lps = self._prompt_logprob_chunks(out, requests)
+        prompt_lps = _prompt_logprob_chunks(out)
         infos, sample_ids = [], []
         for sr in out.scheduled:
             if not sr.sample:
                 continue
-            r = requests[sr.request_id]
+            params, outputs = sr.sampling_params, sr.output_token_ids
             drafts = sr.token_ids[len(sr.token_ids) - sr.num_drafts:]
             for j in range(sr.num_drafts + 1):  # row j: as if drafts[:j] were already accepted
-                outputs = r.output_token_ids + drafts[:j] if j else r.output_token_ids
-                infos.append(RowInfo(r.sampling_params, seeds[r.request_id], r.num_output_tokens + j,
-                                     r.prompt_token_ids, outputs))
-                sample_ids.append((r.request_id, r.sampling_params.logprobs or 0, j))
+                infos.append(RowInfo(params, sr.seed, sr.num_output_tokens + j, sr.prompt_token_ids,
+                                     outputs + drafts[:j] if j else outputs,
+                                     min_tokens_suppress_ids(params, sr.num_output_tokens + j)))
+                sample_ids.append((sr.request_id, params.logprobs or 0, j))
         if not infos:
             return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps)
         md = SamplingMetadata.build_host(infos, bucket_for(len(infos), self.seq_buckets), self.rc.max_model_len)
@@ -265,46 +304,19 @@ class ModelRunner:
     def run(self, p: PreparedStep) -> ModelOutput:
         """Everything on the device, from host data only: every rank of a multi-host run calls this
         with the same PreparedStep and so issues the same programs in the same order."""
+        return self.dispatch(p).result()
+
+    def dispatch(self, p: PreparedStep) -> PendingStep:
+        """Issue the step's programs; only the prompt logprobs (rare) are waited for here."""
         self._apply_block_ops(p)
         if p.batch is None:
-            return ModelOutput()
-        self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows)
+            return PendingStep(p)
+        self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows, self._prev_tokens)
         prompt_lps = self._prompt_logprobs(p.prompt_logprobs, full)
         if p.sampling is None:
-            return ModelOutput(prompt_logprobs=prompt_lps)
-        so = _fetch(_sample_step(self.params, hidden, self._input(p.sampling)))
-        result = ModelOutput(prompt_logprobs=prompt_lps)
-        for i, (rid, n, j) in enumerate(p.sample_ids):
-            token = _sampled(so, i, int(so.token_ids[i]), n)
-            if j == 0:
-                result.sampled[rid] = token
-            else:
-                result.draft_sampled.setdefault(rid, []).append(token)
-        return result
-
-    def _prompt_logprob_chunks(self, out: SchedulerOutput,
-                               requests: Mapping[str, Request]) -> list[PromptLogprobChunk]:
-        """Which of this step's rows score prompt tokens 1.. for requests that asked, in program-sized chunks."""
-        wanted = []  # (request id, prompt position of the target token, flat row, target id, top-N)
-        row = 0
-        for sr in out.scheduled:
-            req = requests[sr.request_id]
-            prompt = req.prompt_token_ids
-            n = req.sampling_params.prompt_logprobs
-            if n is not None:
-                for j in range(len(sr.token_ids)):
-                    pos = sr.start_pos + j
-                    if pos + 1 < len(prompt):
-                        wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1], n))
-            row += len(sr.token_ids)
-        chunks = []
-        for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
-            rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-            targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-            rows[: len(chunk)] = [c[2] for c in chunk]
-            targets[: len(chunk)] = [c[3] for c in chunk]
-            chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
-        return chunks
+            return PendingStep(p, prompt_lps)
+        so, self._prev_tokens = self._sample_step(self.params, hidden, self._input(p.sampling))
+        return PendingStep(p, prompt_lps, so)
 
     def _prompt_logprobs(self, chunks: list[PromptLogprobChunk],
                          hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
@@ -355,6 +367,28 @@ class ModelRunner:
             self.kv = _scatter_blocks(self.kv, dev, k, v)
 
 
+def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:
+    """Which of this step's rows score prompt tokens 1.. for requests that asked, in program-sized chunks."""
+    wanted = []  # (request id, prompt position of the target token, flat row, target id, top-N)
+    row = 0
+    for sr in out.scheduled:
+        prompt, n = sr.prompt_token_ids, sr.sampling_params.prompt_logprobs
+        if n is not None:
+            for j in range(len(sr.token_ids)):
+                pos = sr.start_pos + j
+                if pos + 1 < len(prompt):
+                    wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1], n))
+        row += len(sr.token_ids)
+    chunks = []
+    for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
+        rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+        targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
+        rows[: len(chunk)] = [c[2] for c in chunk]
+        targets[: len(chunk)] = [c[3] for c in chunk]
+        chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
+    return chunks
+
+
 def _sampled(so: SamplerOutput, i: int, token_id: int, num_top: int) -> SampledToken:
     """Row i of a fetched SamplerOutput, with the top `num_top` logprobs (None when 0)."""
     top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :num_top], so.top_logprobs[i, :num_top])]
@@ -394,6 +428,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     t = step_token_buckets(rc.max_num_batched_tokens)[-1]
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
     rows = np.zeros(step_seq_buckets(rc.max_num_seqs)[-1], np.int32)
-    compiled = _model_step.lower(model.params, kv, batch, rows, cfg=cfg, backend=rc.backend).compile()
+    prev_tokens = np.zeros(rows.shape, np.int32)
+    compiled = _model_step.lower(model.params, kv, batch, rows, prev_tokens, cfg=cfg, backend=rc.backend).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

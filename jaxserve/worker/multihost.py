@@ -33,7 +33,7 @@ import jax
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.worker.model_runner import ModelRunner, PreparedStep
-from jaxserve.core.scheduler_output import ModelOutput
+from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
 _PREFIX = "jaxserve"
@@ -111,13 +111,13 @@ class LeaderRunner:
         self.runner, self.channel = runner, channel
         self.num_steps_sent = 0
 
-    def execute(self, out, requests, seeds) -> ModelOutput:
-        prepared = self.runner.prepare(out, requests, seeds)
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        prepared = self.runner.prepare(out)
         if not prepared.has_device_work:
             return ModelOutput()
         self.channel.send(prepared)
         self.num_steps_sent += 1
-        return self.runner.run(prepared)
+        return self.runner.run(prepared)  # synchronous: async scheduling is off with num_hosts > 1
 
     def stop_workers(self) -> None:
         self.channel.send(None)
