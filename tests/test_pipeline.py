@@ -43,3 +43,9 @@ def test_each_device_holds_only_its_stage(tiny, case):
     r = tiny[case]
     assert r["weights"], (r["held"]["weights"], r["expect_weights"])
     assert r["kv"], (r["held"]["kv"], r["expect_kv"])
+
+
+def test_default_model_pp4_uneven_equals_one_device():
+    """SmolLM2-135M's 30 layers in stages of 7, 8, 8, 7."""
+    r = run_worker("default", "4")["default/pp4"]
+    assert r["equal"], (r["tokens"], r["reference"])
