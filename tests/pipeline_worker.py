@@ -42,8 +42,9 @@ def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def engine_for(model: LoadedModel, tp: int, pp: int, **kw) -> LLMEngine:
+    kw = {"kv_cache_memory": 1 << 20, **kw}
     args = EngineArgs(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=64, max_num_seqs=2,
-                      max_num_batched_tokens=16, kv_cache_memory=1 << 20, compilation_cache_dir="", **kw)
+                      max_num_batched_tokens=16, compilation_cache_dir="", **kw)
     return LLMEngine(args, model=model, progress=False)
 
 
@@ -84,8 +85,8 @@ def check_default(pp: int) -> dict:
     from jaxserve.weights.loader import load_model
     model = load_model(None, "float32", progress=False)
     ids = [1, 504, 3458, 282, 4649, 314]  # any ids of its 49152-token vocabulary
-    reference = greedy(engine_for(model, 1, 1), [ids])
-    tokens = greedy(engine_for(model, 1, pp), [ids])
+    reference = greedy(engine_for(model, 1, 1, kv_cache_memory=64 << 20), [ids])
+    tokens = greedy(engine_for(model, 1, pp, kv_cache_memory=64 << 20), [ids])
     return {f"default/pp{pp}": dict(equal=tokens == reference, tokens=tokens, reference=reference)}
 
 
