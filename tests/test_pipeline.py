@@ -45,6 +45,7 @@ def test_each_device_holds_only_its_stage(tiny, case):
     assert r["kv"], (r["held"]["kv"], r["expect_kv"])
 
 
+@pytest.mark.slow
 def test_default_model_pp4_uneven_equals_one_device():
     """SmolLM2-135M's 30 layers in stages of 7, 8, 8, 7."""
     r = run_worker("default", "4")["default/pp4"]

@@ -155,3 +155,14 @@ def test_activation_estimate_is_near_xlas_measurement(jax_default_model):
     measured = activation_bytes(jax_default_model, rc)
     estimate = sizing.activation_bytes_estimate(jax_default_model.config, 512, 64, 4)
     assert 0.5 * measured < estimate < 2 * measured, (measured, estimate)
+
+
+def test_engine_refuses_before_loading_when_the_weights_cannot_fit(monkeypatch):
+    from jaxserve.worker import kv_sizing
+
+    monkeypatch.setattr(kv_sizing.jax, "default_backend", lambda: "gpu")
+    cfg = read_model("meta-llama/Llama-3.1-70B-Instruct").config
+    monkeypatch.setattr(kv_sizing, "device_memory_bytes", lambda: 81920 << 20)  # an A100-80GB
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: weights \(141\d{9} bytes\)"):
+        kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096), cfg, 2)
+    kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096, tensor_parallel_size=2), cfg, 2)

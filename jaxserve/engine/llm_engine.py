@@ -29,7 +29,7 @@ from jaxserve import parallel
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.args import EngineArgs
 from jaxserve.worker import sizing
-from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks
+from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
 from jaxserve.worker.model_runner import (ModelRunner, PendingStep, RunnerConfig, activation_bytes,
                                           num_compilations)
 from jaxserve.engine.outputs import RequestOutput
@@ -41,7 +41,7 @@ from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params
-from jaxserve.weights.loader import LoadedModel, load_model
+from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
 
 PromptType = str | list[int] | dict
 
@@ -66,6 +66,11 @@ class LLMEngine:
             mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
         if model is None:
+            if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
+                from jaxserve.plan.source import read_model
+
+                refuse_oversized_weights(args, read_model(args.model).config,
+                                         jnp.dtype(resolve_dtype(args.dtype)).itemsize)
             model = load_model(args.model, args.dtype, progress, mesh=mesh)
         elif mesh is not None:
             model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))

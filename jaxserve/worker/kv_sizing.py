@@ -27,6 +27,21 @@ def needs_profile(args: EngineArgs) -> bool:
         and device_memory_bytes() is not None
 
 
+def refuse_oversized_weights(args: EngineArgs, cfg, width: int) -> None:
+    """Before loading anything: on an accelerator, ValueError (sizing.kv_budget's, with the numbers)
+    when the weights this configuration puts on one device plus the estimated activation reserve
+    exceed --gpu-memory-utilization of it -- instead of an out-of-memory error halfway through the load."""
+    total = device_memory_bytes() if jax.default_backend() != "cpu" else None
+    if total is None:
+        return
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    weights = sizing.weight_bytes_per_device(cfg, width, tp, pp, args.quantization)
+    max_len = args.max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, False)
+    tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len, args.enable_chunked_prefill)
+    kv_budget(total, args.gpu_memory_utilization, weights,
+              sizing.activation_bytes_estimate(cfg, tokens, args.max_num_seqs, width, tp))
+
+
 def num_device_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, activation_bytes: int,
                       min_blocks: int) -> int:
     """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error.
