@@ -24,7 +24,9 @@ from jaxserve.worker import sizing
 from tests.parallel_worker import BASE, FAMILIES, random_params
 
 NUM_LAYERS = 7  # uneven at PP 2, 3 and 4: stages 4|3, 2|3|2, 1|2|2|2
-PARALLEL = {"llama_gqa": [(1, 2), (1, 4), (2, 3)], "qwen2_bias_tied": [(1, 3), (2, 2)]}
+# (tp, pp, async scheduling: the sampled ids stay on the last stage's devices and feed stage 0)
+PARALLEL = {"llama_gqa": [(1, 2, False), (1, 4, False), (2, 3, False), (1, 2, True)],
+            "qwen2_bias_tied": [(1, 3, False), (2, 2, False)]}
 PROMPTS = [[5, 17, 3, 99, 42, 7, 1, 250, 11], [8], [200, 3, 77, 9, 64]]
 MAX_TOKENS = 8
 
@@ -64,8 +66,8 @@ def check_tiny() -> dict:
         cfg = ModelConfig(**{**BASE, **FAMILIES[name], "num_layers": NUM_LAYERS})
         model = LoadedModel(cfg, jax.tree.map(jnp.asarray, random_params(cfg)), None, name, Path("."))
         reference = greedy(engine_for(model, 1, 1), PROMPTS)
-        for tp, pp in settings:
-            engine = engine_for(model, tp, pp)
+        for tp, pp, overlap in settings:
+            engine = engine_for(model, tp, pp, async_scheduling=overlap)
             tokens = greedy(engine, PROMPTS)
             ranges = sizing.stage_layer_ranges(cfg.num_layers, pp)
             held = device_bytes(engine)
@@ -74,7 +76,7 @@ def check_tiny() -> dict:
             per_block = sizing.kv_heads_per_device(cfg, tp) * engine.args.block_size * cfg.head_dim * 4 * 2
             expect_kv = {s * tp + d: per_block * (b - a) * engine.num_gpu_blocks
                          for s, (a, b) in enumerate(ranges) for d in range(tp)}
-            results[f"{name}/tp{tp}/pp{pp}"] = dict(
+            results[f"{name}/tp{tp}/pp{pp}" + ("/async" if overlap else "")] = dict(
                 equal=tokens == reference, tokens=tokens, reference=reference,
                 weights=held["weights"] == expect_w, kv=held["kv"] == expect_kv,
                 held=held, expect_weights=expect_w, expect_kv=expect_kv)
