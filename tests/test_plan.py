@@ -166,3 +166,10 @@ def test_engine_refuses_before_loading_when_the_weights_cannot_fit(monkeypatch):
     with pytest.raises(ValueError, match=r"gpu_memory_utilization: weights \(141\d{9} bytes\)"):
         kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096), cfg, 2)
     kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096, tensor_parallel_size=2), cfg, 2)
+
+
+def test_pipeline_parallel_is_refused_with_data_parallel_or_several_hosts():
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        EngineArgs(pipeline_parallel_size=2, data_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        EngineArgs(pipeline_parallel_size=2, num_hosts=2)

@@ -92,6 +92,10 @@ class EngineArgs:
         check(self.swap_space >= 0, "swap_space", "must be >= 0")
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             check(getattr(self, name) >= 1, name, "must be >= 1")
+        # Stages on sub-meshes of this process's devices (parallel/pipeline.py); not yet per replica or host.
+        check(self.pipeline_parallel_size == 1 or (self.data_parallel_size == 1 and self.num_hosts == 1),
+              "pipeline_parallel_size", "> 1 runs in one process without data parallelism for now: "
+              "data_parallel_size and num_hosts must be 1")
         check(self.num_hosts >= 1, "num_hosts", f"must be >= 1, got {self.num_hosts}")
         check(self.host_rank is None or 0 <= self.host_rank < (self.num_hosts if self.num_hosts > 1 else 1 << 30),
               "host_rank", f"must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
