@@ -50,6 +50,8 @@ def _passthrough_args(parser: argparse.ArgumentParser) -> None:
 PLUGINS: dict[str, Plugin] = {
     "convert": Plugin("jaxserve.weights.convert", "convert model weights (MODEL OUT)", _convert_args),
     "bench": Plugin("jaxserve.bench", "benchmark a deployment or the engine", _passthrough_args),
+    "plan": Plugin("jaxserve.plan", "will a model fit these GPUs: memory, KV blocks, flags (no GPU needed)",
+                   _passthrough_args),
 }
 
 _REGISTRY: dict[str, Subcommand] = {}

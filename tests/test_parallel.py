@@ -48,10 +48,10 @@ def multi_device() -> dict[str, dict]:
 
 # ---- in-process: validation and the partition plan -------------------------------------------
 
-def test_pipeline_parallel_is_refused_with_what_to_use_instead():
-    with pytest.raises(ValueError, match="pipeline parallelism is not supported") as e:
-        parallel.check_parallel_config(2, 1, 2, 8)
-    assert "--tensor-parallel-size" in str(e.value) and "--data-parallel-size" in str(e.value)
+def test_pipeline_parallel_needs_tp_times_pp_devices():
+    parallel.check_parallel_config(2, 1, 3, 8)  # 6 of 8 devices: allowed (tests/test_pipeline.py runs it)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 4 needs 16 devices"):
+        parallel.check_parallel_config(4, 1, 4, 8)
 
 
 @pytest.mark.parametrize("tp, dp, match", [(3, 1, "does not divide the 8"), (4, 4, "needs 16 devices"),

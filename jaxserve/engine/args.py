@@ -74,8 +74,11 @@ class EngineArgs:
               "runs on one device: tensor_parallel_size, data_parallel_size and num_hosts must be 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
               f"must be >= 2, got {self.max_model_len}")
-        check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-              f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        # Refused above 0.95 (worker/sizing.py MAX_GPU_MEMORY_UTILIZATION): the runtime needs the rest.
+        check(0.0 < self.gpu_memory_utilization <= 0.95, "gpu_memory_utilization",
+              f"must be in (0, 0.95], got {self.gpu_memory_utilization}: the CUDA context, XLA's own "
+              "buffers and the allocator's fragmentation need the rest, and a higher setting dies of "
+              "out-of-memory under load")
         check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
               "num_gpu_blocks_override", "must be >= 1")
         check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
@@ -89,6 +92,10 @@ class EngineArgs:
         check(self.swap_space >= 0, "swap_space", "must be >= 0")
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             check(getattr(self, name) >= 1, name, "must be >= 1")
+        # Stages on sub-meshes of this process's devices (parallel/pipeline.py); not yet per replica or host.
+        check(self.pipeline_parallel_size == 1 or (self.data_parallel_size == 1 and self.num_hosts == 1),
+              "pipeline_parallel_size", "> 1 runs in one process without data parallelism for now: "
+              "data_parallel_size and num_hosts must be 1")
         check(self.num_hosts >= 1, "num_hosts", f"must be >= 1, got {self.num_hosts}")
         check(self.host_rank is None or 0 <= self.host_rank < (self.num_hosts if self.num_hosts > 1 else 1 << 30),
               "host_rank", f"must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")

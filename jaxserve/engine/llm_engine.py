@@ -20,6 +20,7 @@ import time
 from typing import Iterable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax.sharding import Mesh
@@ -27,8 +28,9 @@ from jax.sharding import Mesh
 from jaxserve import parallel
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.args import EngineArgs
-from jaxserve.worker.kv_sizing import needs_profile, num_device_blocks
-from jaxserve.worker.model_runner import (ModelRunner, PendingStep, RunnerConfig, activation_bytes, kv_bytes_per_block,
+from jaxserve.worker import sizing
+from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
+from jaxserve.worker.model_runner import (ModelRunner, PendingStep, RunnerConfig, activation_bytes,
                                           num_compilations)
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
@@ -40,10 +42,9 @@ from jaxserve.core.structured_output import StructuredOutputManager, validate_st
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.quant import calibration_ids, quantize_params
-from jaxserve.weights.loader import LoadedModel, load_model
+from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
 
 PromptType = str | list[int] | dict
-CPU_MAX_MODEL_LEN = 2048  # default cap on CPU, where long contexts are impractically slow
 
 
 class LLMEngine:
@@ -62,9 +63,15 @@ class LLMEngine:
         if mesh is None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
             parallel.check_parallel_config(args.tensor_parallel_size, 1, args.pipeline_parallel_size,
                                            jax.device_count())
-            mesh = parallel.make_mesh(args.tensor_parallel_size, 1)
+            # Pipeline stages get a sub-mesh each (parallel/pipeline.py) instead of one mesh.
+            mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
         if model is None:
+            if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
+                from jaxserve.plan.source import read_model
+
+                refuse_oversized_weights(args, read_model(args.model).config,
+                                         jnp.dtype(resolve_dtype(args.dtype)).itemsize)
             model = load_model(args.model, args.dtype, progress, mesh=mesh)
         elif mesh is not None:
             model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
@@ -72,29 +79,40 @@ class LLMEngine:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
             params = quantize_params(model.params, model.config, args.quantization, ids)
             model = dataclasses.replace(model, params=params)
+        self.model_dtype = model.params["embed"].dtype
+        self.pipeline = self._pipeline(model) if args.pipeline_parallel_size > 1 else None
+        if self.pipeline is not None:  # the engine keeps the last stage's params: the sampler's
+            model = dataclasses.replace(model, params=self.pipeline.sampler_params)
         self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.model_name = args.served_model_name or self.model.name
-        self.max_model_len = args.max_model_len or min(
-            cfg.max_position_embeddings, CPU_MAX_MODEL_LEN if jax.default_backend() == "cpu" else 1 << 30)
-        max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
-                                                     else self.max_model_len)
+        self.max_model_len = args.max_model_len or sizing.default_max_model_len(
+            cfg.max_position_embeddings, jax.default_backend() == "cpu")
+        max_tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(
+            self.max_model_len, args.enable_chunked_prefill)
         backend = resolve_backend(args.attention_backend)
-        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
-        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
-        # What one device holds: its shard of each weight.
-        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model_dtype, backend)
+        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh, args.pipeline_parallel_size,
+                                       args.tensor_parallel_size)
+        # What one device holds: its shard of each weight (tests/test_plan.py checks it against the arrays).
+        tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
+        width = jnp.dtype(self.model_dtype).itemsize
+        self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
+                                                           args.quantization)
         min_blocks = -(-self.max_model_len // args.block_size)
         runner_config = functools.partial(
             RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend,
             kv_cache_dtype=args.kv_cache_dtype)
-        self.activation_bytes = (activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1))
-                                 if needs_profile(args) else 0)
-        self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, self.activation_bytes, min_blocks)
+        self.activation_bytes = 0
+        if needs_profile(args):  # XLA's figure; the shared estimate when the backend gives none
+            self.activation_bytes = (self.pipeline is None and activation_bytes(
+                self.model, runner_config(num_blocks=min_blocks + 1))) or \
+                sizing.activation_bytes_estimate(cfg, max_tokens, args.max_num_seqs, width, tp)
+        self.num_gpu_blocks = num_device_blocks(args, per_block, self.weight_bytes, self.activation_bytes, min_blocks)
         self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
                                if args.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(SchedulerConfig(
@@ -105,7 +123,7 @@ class LLMEngine:
             speculative=SpeculativeConfig.parse(args.speculative_config)),
             StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids))
         self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
-                                                            num_cpu_blocks=self.num_cpu_blocks), mesh)
+                                                            num_cpu_blocks=self.num_cpu_blocks), mesh, self.pipeline)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)
@@ -234,9 +252,19 @@ class LLMEngine:
                            num_compilations_after_warmup=compiles - self.compilations_at_warmup,
                            num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks)
 
+    def _pipeline(self, model: LoadedModel) -> "parallel.pipeline.Pipeline":
+        """Split the loaded params into stages on their own devices (from host copies, so the
+        one-device load does not stay resident beside them)."""
+        from jaxserve.parallel.pipeline import build_pipeline, host_params
+
+        if self.args.preemption_mode == "swap":
+            raise ValueError("preemption_mode: swap is not supported with pipeline_parallel_size > 1; use recompute")
+        return build_pipeline(host_params(model.params), model.config, self.args.tensor_parallel_size,
+                              self.args.pipeline_parallel_size, backend=resolve_backend(self.args.attention_backend))
+
     def startup_report(self) -> str:
         per_req = -(-self.max_model_len // self.args.block_size)
-        kv_values = kv_values_dtype(self.args.kv_cache_dtype, self.model.params["embed"].dtype).name
+        kv_values = kv_values_dtype(self.args.kv_cache_dtype, self.model_dtype).name
         sharding = ("" if self.mesh is None else
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "

@@ -85,8 +85,17 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
     the layer scan and updated in place (one scatter per layer) when donated.
     Returns the new cache and the final-normed hidden states [num_tokens, hidden].
     """
-    inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
     h = params["embed"][token_ids]  # [T, hidden]
+    kv_cache, h = run_layers(params["layers"], cfg, kv_cache, h, positions, md, backend)
+    return kv_cache, rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], h: jax.Array,
+               positions: jax.Array, md: AttentionMetadata,
+               backend: str = "reference") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """The residual stream h [T, hidden] through the stacked `layers` (leading axis n) and their
+    cache (K, V each [n, ...]); a pipeline stage calls it with its own slice of both."""
+    inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
 
     def layer_body(carry, xs):
         h, k_cache, v_cache = carry
@@ -103,9 +112,10 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
         h = h + linear(jax.nn.silu(gate) * up, lp["w_down"])
         return (h, k_cache, v_cache), None
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (params["layers"], layer_ids))
-    return (k_cache, v_cache), rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
+    return (k_cache, v_cache), h
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:

@@ -6,7 +6,7 @@
 
 The "model" axis carries tensor parallelism (weights and the KV pool are split
 over it); the "data" axis indexes independent engine replicas, each of which
-runs on its own row (`replica_meshes`). Pipeline parallelism is refused.
+runs on its own row (`replica_meshes`). Pipeline stages are one such mesh each (pipeline.py).
 """
 
 from __future__ import annotations
@@ -29,16 +29,12 @@ def check_parallel_config(tensor_parallel_size: int, data_parallel_size: int, pi
                        ("pipeline", pipeline_parallel_size)):
         if not isinstance(size, int) or size < 1:
             raise ValueError(f"--{name}-parallel-size must be a positive integer; got {size!r}")
-    if pipeline_parallel_size > 1:
-        raise ValueError(f"pipeline parallelism is not supported (got --pipeline-parallel-size "
-                         f"{pipeline_parallel_size}); to spread a model over several devices use "
-                         f"--tensor-parallel-size N (splits every layer over N devices), and "
-                         f"--data-parallel-size M for M independent replicas")
-    world = tensor_parallel_size * data_parallel_size
+    world = tensor_parallel_size * data_parallel_size * pipeline_parallel_size
     if world > num_devices:
+        pp = f" x --pipeline-parallel-size {pipeline_parallel_size}" if pipeline_parallel_size > 1 else ""
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size "
-                         f"{data_parallel_size} needs {world} devices but only {num_devices} are visible")
-    if num_devices % world:
+                         f"{data_parallel_size}{pp} needs {world} devices but only {num_devices} are visible")
+    if num_devices % world and pipeline_parallel_size == 1:
         fits = [n for n in range(1, num_devices + 1) if num_devices % n == 0]
         raise ValueError(f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size "
                          f"{data_parallel_size} = {world} does not divide the {num_devices} visible devices; "

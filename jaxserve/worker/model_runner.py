@@ -177,11 +177,15 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None) -> None:
+    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None, pipeline=None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
-        self.params = model.params  # already sharded over `mesh` when there is one
-        dtype = rc.kv_dtype(self.params["embed"].dtype)  # from the model's (matmul weights may be int8)
-        if mesh is None:
+        # sharded over `mesh` when there is one; with a `pipeline` (parallel/pipeline.py) its stages
+        # hold the layers and the pool, and these are the last stage's params (the sampler's)
+        self.params, self.pipeline = model.params, pipeline
+        dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
+        if pipeline is not None:
+            self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
+        elif mesh is None:
             self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
                                     self.cfg.head_dim, dtype)
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
@@ -194,7 +198,9 @@ class ModelRunner:
         host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
                       self.cfg.head_dim)
         self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
-        self._model_step = functools.partial(_model_step, cfg=self.cfg, backend=rc.backend)
+        self._copy_blocks = pipeline.per_stage(_copy_blocks) if pipeline is not None else _copy_blocks
+        self._model_step = (pipeline.step if pipeline is not None else
+                            functools.partial(_model_step, cfg=self.cfg, backend=rc.backend))
         self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows)
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
         # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
@@ -224,8 +230,12 @@ class ModelRunner:
             _gather_rows(full, q_rows)
             bar.update(1)
             for t, decode in programs:  # decode: a decode-only step's program (Pallas: the decode kernel)
-                _model_step.lower(self.params, self.kv, self._empty_batch(t, decode), rows, self._prev_tokens,
-                                  cfg=self.cfg, backend=self.rc.backend).compile()
+                if self.pipeline is not None:  # its stage programs compile by running the bucket
+                    self.kv, _, _ = self._model_step(self.params, self.kv, self._empty_batch(t, decode), rows,
+                                                     self._prev_tokens)
+                else:
+                    _model_step.lower(self.params, self.kv, self._empty_batch(t, decode), rows, self._prev_tokens,
+                                      cfg=self.cfg, backend=self.rc.backend).compile()
                 # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
                 _gather_rows(_rows_like(full, t), q_rows)
@@ -235,7 +245,7 @@ class ModelRunner:
                 _fetch(self._sample_step(self.params, hidden, self._input(md)))
                 bar.update(1)
             pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
-            self.kv = _copy_blocks(self.kv, np.zeros_like(pad), pad)
+            self.kv = self._copy_blocks(self.kv, np.zeros_like(pad), pad)
             bar.update(1)
             if self.host_kv is not None:
                 k, v = _fetch(_gather_blocks(self.kv, np.zeros_like(pad)))
@@ -331,7 +341,7 @@ class ModelRunner:
             self._swap_in(p.swap_in)
         for chunk in _chunks(p.copy_blocks, self.copy_width):
             src, dst = self._pad_pairs(chunk)
-            self.kv = _copy_blocks(self.kv, src, dst)
+            self.kv = self._copy_blocks(self.kv, src, dst)
 
     def _pad_pairs(self, pairs: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         src = np.zeros(self.copy_width, np.int32)
@@ -427,11 +437,3 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     compiled = _model_step.lower(model.params, kv, batch, rows, prev_tokens, cfg=cfg, backend=rc.backend).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0
-
-
-def kv_bytes_per_block(cfg, block_size: int, dtype, mesh: Mesh | None = None) -> int:
-    """K and V bytes of one block across all layers, on one device (its shard, under a mesh)."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, 1, block_size, cfg.head_dim)
-    if mesh is not None:
-        shape = parallel.kv_cache_sharding(mesh, cfg).shard_shape(shape)
-    return 2 * int(np.prod(shape)) * jnp.dtype(dtype).itemsize

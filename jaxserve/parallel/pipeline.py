@@ -1,0 +1,141 @@
+"""Pipeline parallelism: the layers split into P contiguous stages, each on its own TP sub-mesh.
+
+    devices d0 .. d(tp*pp-1)       stage s: mesh ("data"=1, "model"=tp) of d[s*tp : (s+1)*tp]
+    stage 0     embed + layers [0, a)        K, V [a, kv_heads, blocks, block_size, head_dim]
+    stage s     layers [a_s, a_s+1)          its own slice of the pool (same block ids everywhere)
+    stage P-1   layers [.., L) + final norm + LM head (a tied model's embedding copy)
+
+One model step runs stage by stage: each stage is one jitted program on its sub-mesh (its
+layers `lax.scan`ned, its pool donated), and the residual stream [T, hidden] goes to the next
+stage by `jax.device_put` onto that stage's devices -- JAX's own transfer, no hand-written
+transport. Dispatch is asynchronous, so the host has issued every stage before the first has
+finished; the sampler then runs on the last stage's devices with its params. The layer split is
+worker/sizing.py's `stage_layer_ranges` (uneven counts: the extra layers in the middle stages),
+the same one `jaxserve plan` sizes. Within tensor parallelism each stage is split as usual
+(parallel/specs.py); the scheduler does not know about stages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models import llama
+from jaxserve.models.config import ModelConfig
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.parallel.sharding import ModelShardings, make_sharded_kv_cache
+from jaxserve.worker.sizing import stage_layer_ranges
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "first", "last"), donate_argnums=1)
+def _stage_step(params, kv, h, batch, rows, prev_tokens, *, cfg, backend, first, last):
+    """One stage: tokens (first) or the previous stage's h [T, hidden] through its layers; the last
+    stage also returns the final-normed rows [P, hidden] and all positions [T, hidden].
+    prev_tokens [P] i32: the previous step's sampled ids (async scheduling), as model_runner's step."""
+    if first:
+        token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
+        h = params["embed"][token_ids]
+    kv, h = llama.run_layers(params["layers"], cfg, kv, h, batch.positions, batch.attn, backend)
+    if last:
+        h = llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+        return kv, h[rows], h
+    return kv, h
+
+
+def split_params(params: dict, cfg: ModelConfig, ranges: Sequence[tuple[int, int]]) -> list[dict]:
+    """Each stage's subtree: its slice of the stacked layers, the embedding on the first, the final
+    norm and LM head on the last (tied embeddings: the embedding, used as the head)."""
+    stages = []
+    for s, (a, b) in enumerate(ranges):
+        sp: dict = {"layers": jax.tree.map(lambda x: x[a:b], params["layers"])}
+        if s == 0:
+            sp["embed"] = params["embed"]
+        if s == len(ranges) - 1:
+            sp["final_norm"] = params["final_norm"]
+            sp["lm_head" if "lm_head" in params else "embed"] = params.get("lm_head", params["embed"])
+        stages.append(sp)
+    return stages
+
+
+@dataclass
+class Pipeline:
+    cfg: ModelConfig
+    ranges: list[tuple[int, int]]
+    meshes: list[Mesh]
+    params: list[dict]  # stage s's params, on meshes[s]
+    backend: str = "reference"
+
+    @property
+    def stage_configs(self) -> list[ModelConfig]:
+        return [dataclasses.replace(self.cfg, num_layers=b - a) for a, b in self.ranges]
+
+    @property
+    def sampler_params(self) -> dict:
+        """The last stage's params: the LM head (or tied embedding) the sampler multiplies by."""
+        return self.params[-1]
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype) -> tuple[jax.Array, ...]:
+        """(K0, V0, K1, V1, ...): each stage's pool on its own devices, flat so that the block copy
+        programs (which map over a tuple of pools) treat every stage alike."""
+        pools = [make_sharded_kv_cache(m, c, num_blocks, block_size, dtype)
+                 for m, c in zip(self.meshes, self.stage_configs)]
+        return tuple(x for pool in pools for x in pool)
+
+    def per_stage(self, fn):
+        """`fn(pool, *args) -> pool` (a block copy) applied to each stage's (K, V) on its own devices."""
+        def apply(kv: tuple[jax.Array, ...], *args) -> tuple[jax.Array, ...]:
+            return tuple(x for s in range(len(self.ranges)) for x in fn((kv[2 * s], kv[2 * s + 1]), *args))
+        return apply
+
+    def step(self, params, kv: tuple[jax.Array, ...], batch, rows, prev_tokens):
+        """The model step over all stages: (kv, hidden rows [P, hidden], hidden [T, hidden]).
+        `params` is ignored (the stages hold theirs); the signature is model_runner's step's."""
+        del params
+        new_kv: list[jax.Array] = []
+        h = None
+        last = len(self.ranges) - 1
+        for s, (sp, cfg, mesh) in enumerate(zip(self.params, self.stage_configs, self.meshes)):
+            replicated = NamedSharding(mesh, P())
+            if h is not None:  # the residual stream to this stage's devices
+                h = jax.device_put(h, replicated)
+            else:  # the last sampled ids come from the sampler, on the last stage's devices
+                prev_tokens = jax.device_put(prev_tokens, replicated)
+            out = _stage_step(sp, (kv[2 * s], kv[2 * s + 1]), h, batch, rows, prev_tokens, cfg=cfg, backend=self.backend,
+                              first=s == 0, last=s == last)
+            new_kv += out[0]
+            h = out[1]
+        return tuple(new_kv), out[1], out[2]
+
+
+def build_pipeline(params: dict, cfg: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
+                   devices: Sequence[jax.Device] | None = None, backend: str = "reference") -> Pipeline:
+    """Split `params` (host or device arrays) into stages placed on their sub-meshes."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    devices = list(jax.devices() if devices is None else devices)
+    if tp * pp > len(devices):
+        raise ValueError(f"--tensor-parallel-size {tp} x --pipeline-parallel-size {pp} needs {tp * pp} devices "
+                         f"but only {len(devices)} are visible")
+    ranges = stage_layer_ranges(cfg.num_layers, pp)
+    meshes = [make_mesh(tp, 1, devices[s * tp:(s + 1) * tp]) for s in range(pp)]
+    placed = []
+    for sp, mesh, (a, b) in zip(split_params(params, cfg, ranges), meshes, ranges):
+        if tp == 1:  # any tree (quantized leaves too) on the stage's one device
+            placed.append(jax.device_put(sp, mesh.devices.flat[0]))
+            continue
+        shardings = ModelShardings.create(mesh, dataclasses.replace(cfg, num_layers=b - a)).params
+        placed.append(jax.device_put(sp, {k: shardings[k] for k in sp}))
+    return Pipeline(cfg, ranges, meshes, placed, backend)
+
+
+def host_params(params: dict) -> dict:
+    """Device params to host numpy, to be split without a whole copy staying on one device."""
+    return jax.tree.map(np.asarray, params)
+

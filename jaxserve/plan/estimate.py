@@ -1,0 +1,147 @@
+"""What one configuration needs per device, from worker/sizing.py (the engine's own arithmetic).
+
+    weights          sizing.weight_bytes_per_device (largest pipeline stage, TP shard, quantization)
+    activations      sizing.activation_bytes_estimate (the engine measures it by a dry run on GPUs)
+    KV               sizing.kv_bytes_per_block; blocks = (memory x utilization - weights - activations)
+                     // per block (on `cpu`: --kv-cache-memory // per block, as the engine there)
+    fits             at least one sequence of max_model_len fits in the pool
+    roofline         decode is memory-bound: a step reads this device's weights and the batch's KV,
+                     at max(bytes / bandwidth, FLOPs / peak); stages run one after another for one
+                     sequence (no pipeline overlap assumed), so a step costs P x one stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import param_shapes
+from jaxserve.plan.gpus import Gpu
+from jaxserve.worker import sizing
+from jaxserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES
+
+TP_SIZES = (1, 2, 4, 8)
+PP_SIZES = (1, 2, 3, 4, 8)
+QUANT_FALLBACKS = ("fp8", "awq")
+
+
+@dataclass(frozen=True)
+class Setting:
+    cfg: ModelConfig
+    gpu: Gpu | None  # None: the CPU (pool = kv_cache_memory)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    quantization: str | None = None
+    dtype_bytes: int = 2  # the float weights' and activations' width
+    kv_dtype_bytes: int = 2
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def estimate(s: Setting) -> dict:
+    """The per-device figures of `s`, as plain numbers (the `--json` object)."""
+    cfg, tp, pp = s.cfg, s.tensor_parallel_size, s.pipeline_parallel_size
+    weights = sizing.weight_bytes_per_device(cfg, s.dtype_bytes, tp, pp, s.quantization)
+    per_block = sizing.kv_bytes_per_block(cfg, s.block_size, s.kv_dtype_bytes, tp, pp)
+    per_seq = sizing.blocks_per_seq(s.max_model_len, s.block_size)
+    if s.gpu is None:
+        activations, budget = 0, s.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+        allowed = None
+    else:
+        activations = sizing.activation_bytes_estimate(cfg, s.max_num_batched_tokens, s.max_num_seqs,
+                                                       s.dtype_bytes, tp)
+        allowed = int(s.gpu.memory_bytes * s.gpu_memory_utilization)
+        budget = allowed - weights - activations
+    blocks = max(0, budget // per_block)
+    concurrent = blocks // per_seq
+    out = dict(fits=concurrent >= 1, weights_bytes_per_device=weights, activation_bytes=activations,
+               memory_allowed_bytes=allowed, kv_budget_bytes=max(0, budget), kv_bytes_per_block=per_block,
+               kv_bytes_per_token=per_block // s.block_size, num_gpu_blocks=blocks, blocks_per_seq=per_seq,
+               max_concurrent_seqs=concurrent, running_seqs=min(concurrent, s.max_num_seqs),
+               tensor_parallel_size=tp, pipeline_parallel_size=pp, num_devices=s.num_devices,
+               quantization=s.quantization, max_model_len=s.max_model_len, block_size=s.block_size,
+               stages=sizing.stage_layer_ranges(cfg.num_layers, pp))
+    if s.gpu is not None:
+        out["decode_tokens_per_s_batch1"] = _tokens_per_s(s, weights, out["kv_bytes_per_token"], 1)
+        out[f"decode_tokens_per_s_batch{out['running_seqs']}"] = \
+            _tokens_per_s(s, weights, out["kv_bytes_per_token"], max(1, out["running_seqs"]))
+        out["decode_tokens_per_s_at_max_concurrency"] = out[f"decode_tokens_per_s_batch{out['running_seqs']}"]
+    return out
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights a token multiplies (every matmul; the embedding lookup is not one, a tied LM head is)."""
+    layers = sum(_prod(v) for k, v in param_shapes(cfg)["layers"].items() if k in sizing.MATMUL_LEAVES)
+    return layers + cfg.hidden_size * cfg.vocab_size
+
+
+def _tokens_per_s(s: Setting, weights: int, kv_per_token: int, batch: int) -> float:
+    """Per sequence, at `batch` sequences of max_model_len context each: one step reads this
+    device's weights and the batch's KV, or computes 2 FLOPs a weight a token, whichever is slower."""
+    gpu = s.gpu
+    assert gpu is not None
+    read = (weights + batch * s.max_model_len * kv_per_token) / gpu.bandwidth
+    peak = gpu.fp8_flops if s.quantization in ("fp8", "int8") and gpu.fp8_flops else gpu.bf16_flops
+    compute = 2 * batch * matmul_params(s.cfg) / s.num_devices / peak
+    return round(1.0 / (s.pipeline_parallel_size * max(read, compute)), 1)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _valid(cfg: ModelConfig, tp: int, pp: int) -> bool:
+    return cfg.num_heads % tp == 0 and pp <= cfg.num_layers
+
+
+def smallest_parallel(s: Setting) -> Setting | None:
+    """The fewest devices (TP before PP at the same count: TP keeps all of them busy) that fit."""
+    options = sorted(((tp * pp, pp, tp) for tp in TP_SIZES for pp in PP_SIZES if _valid(s.cfg, tp, pp)))
+    for _, pp, tp in options:
+        if tp * pp >= s.num_devices and (tp, pp) != (s.tensor_parallel_size, s.pipeline_parallel_size):
+            candidate = replace(s, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+            if estimate(candidate)["fits"]:
+                return candidate
+    return None
+
+
+def smallest_quantization(s: Setting) -> Setting | None:
+    """The first of fp8 (8-bit, near lossless) then AWQ (4-bit) that fits on the same devices."""
+    if s.quantization in ("awq", "gptq"):
+        return None
+    for q in QUANT_FALLBACKS:
+        if q != s.quantization:
+            candidate = replace(s, quantization=q)
+            if estimate(candidate)["fits"]:
+                return candidate
+    return None
+
+
+def flags(s: Setting) -> str:
+    parts = []
+    if s.tensor_parallel_size > 1:
+        parts.append(f"--tensor-parallel-size {s.tensor_parallel_size}")
+    if s.pipeline_parallel_size > 1:
+        parts.append(f"--pipeline-parallel-size {s.pipeline_parallel_size}")
+    if s.quantization:
+        parts.append(f"--quantization {s.quantization}")
+    parts += [f"--max-model-len {s.max_model_len}", f"--gpu-memory-utilization {s.gpu_memory_utilization}"]
+    return " ".join(parts)
+
+
+def setting_dict(s: Setting) -> dict:
+    d = asdict(s)
+    d.pop("cfg")
+    d["gpu"] = s.gpu.name if s.gpu else "cpu"
+    return d

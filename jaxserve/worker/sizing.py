@@ -1,0 +1,190 @@
+"""Memory sizing as pure functions of plain numbers: a model config, byte widths and parallel sizes.
+
+The engine (llm_engine.py, kv_sizing.py, model_runner.kv_bytes_per_block) and `jaxserve plan`
+call these same functions, so what `plan` predicts is what the engine allocates:
+
+    weights per device   the partition plan's shard of every leaf (parallel/specs.py), for the
+                         layers of the largest pipeline stage; quantized leaves by their scheme
+    KV bytes per block   2 (K, V) x stage layers x kv heads on one device x block_size x head_dim x width
+    activation reserve   measured by an XLA dry run on accelerators; `activation_bytes_estimate`
+                         otherwise (plan, and the engine when XLA gives no memory analysis)
+    KV blocks            (device bytes x gpu_memory_utilization - weights - activations) // per block,
+                         or --kv-cache-memory // per block on the CPU
+
+No JAX arrays here: the partition plan is read as PartitionSpecs only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from jaxserve.models.config import ModelConfig
+from jaxserve.models.llama import param_shapes
+from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+CPU_MAX_MODEL_LEN = 2048  # default context cap on CPU, where long contexts are impractically slow
+# Above this --gpu-memory-utilization the engine refuses: the CUDA context, XLA's own buffers and the
+# allocator's fragmentation need the rest, and a server sized to 0.98 dies of OOM at its first long batch.
+MAX_GPU_MEMORY_UTILIZATION = 0.95
+MATMUL_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one quantized matmul weight [in, out] is stored: `bits` per weight, plus per group of
+    `group_size` input rows (0: one group, i.e. per output channel) a scale of `scale_bytes` and a
+    zero point of `zero_bits` for every output column."""
+    bits: int
+    group_size: int
+    scale_bytes: int
+    zero_bits: int
+    lm_head: bool  # the LM head is quantized too (tied embeddings: a quantized copy of embed.T)
+
+    def matrix_bytes(self, rows: int, cols: int) -> int:
+        groups = -(-rows // self.group_size) if self.group_size else 1
+        return rows * cols * self.bits // 8 + groups * cols * self.scale_bytes + groups * cols * self.zero_bits // 8
+
+
+QUANT_SCHEMES: dict[str, QuantScheme] = {
+    "int8": QuantScheme(8, 0, 4, 0, lm_head=True),  # jaxserve's W8A8 (models/quant.py): f32 per-channel scale
+    "fp8": QuantScheme(8, 0, 4, 0, lm_head=False),  # e4m3 per output channel, as vLLM's fp8
+    "awq": QuantScheme(4, 128, 2, 4, lm_head=False),  # AutoAWQ GEMM: packed int4, fp16 scales, int4 zeros
+    "gptq": QuantScheme(4, 128, 2, 4, lm_head=False),  # AutoGPTQ 4-bit, group 128
+}
+
+
+def dtype_bytes(name: str) -> int:
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype: must be one of {tuple(DTYPE_BYTES)}, got {name!r}")
+    return DTYPE_BYTES[name]
+
+
+def stage_layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int, int]]:
+    """[start, end) layers of each pipeline stage: contiguous, sizes differing by at most one. The
+    extra layers of an uneven split go to the middle stages first (from the second-to-last back, as
+    vLLM), since the first stage also holds the embedding and the last the LM head. 30 / 4: 7 8 8 7."""
+    pp = pipeline_parallel_size
+    if not 1 <= pp <= num_layers:
+        raise ValueError(f"pipeline_parallel_size: must be in [1, num_layers={num_layers}], got {pp}")
+    sizes = [num_layers // pp] * pp
+    order = list(range(pp - 2, -1, -1)) + [pp - 1] if pp > 1 else [0]
+    for i in order[: num_layers % pp]:
+        sizes[i] += 1
+    starts = [sum(sizes[:i]) for i in range(pp)]
+    return [(s, s + n) for s, n in zip(starts, sizes)]
+
+
+def _shard_elems(shape: tuple[int, ...], spec: tuple, tp: int, kv_groups: int) -> int:
+    """Elements of one device's shard of a leaf laid out by a PartitionSpec of the engine's plan."""
+    n = 1
+    for i, dim in enumerate(shape):
+        axis = spec[i] if i < len(spec) else None
+        n *= dim // (kv_groups if axis == KV_HEADS_AXIS else tp if axis == MODEL_AXIS else 1)
+    return n
+
+
+def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int = 1, stage: int = 0,
+                       pipeline_parallel_size: int = 1, quantization: str | None = None) -> int:
+    """Bytes of weights one device of pipeline `stage` holds: its layers' shards, the embedding on
+    the first stage, the final norm and LM head on the last (tied: the embedding there too).
+    `width`: bytes per element of the float weights (the model dtype)."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    plan = partition_plan(cfg, tp)
+    shapes = param_shapes(cfg)
+    start, end = stage_layer_ranges(cfg.num_layers, pp)[stage]
+    first, last = stage == 0, stage == pp - 1
+    scheme = QUANT_SCHEMES[quantization] if quantization else None
+    if quantization and quantization not in QUANT_SCHEMES:
+        raise ValueError(f"quantization: must be one of {tuple(QUANT_SCHEMES)} or None, got {quantization!r}")
+    total = 0
+    for leaf, shape in shapes["layers"].items():
+        spec = tuple(plan.specs["layers"][leaf])
+        shard = _shard_elems(shape[1:], spec[1:], tp, plan.kv_groups)  # one layer's shard
+        if scheme and leaf in MATMUL_LEAVES:  # [L, in, out]: the shard's rows and columns
+            rows = _shard_elems(shape[1:2], spec[1:2], tp, plan.kv_groups)
+            total += (end - start) * scheme.matrix_bytes(rows, shard // rows)
+        else:
+            total += (end - start) * shard * width
+    embed = _shard_elems(shapes["embed"], tuple(plan.specs["embed"]), tp, plan.kv_groups) * width
+    if first:
+        total += embed
+    if last:
+        total += cfg.hidden_size * width  # final_norm
+        head_cols = cfg.vocab_size // (tp if tuple(plan.specs["embed"]) else 1)
+        if scheme and scheme.lm_head:
+            total += scheme.matrix_bytes(cfg.hidden_size, head_cols)
+        elif not cfg.tie_word_embeddings or not first:
+            total += cfg.hidden_size * head_cols * width  # lm_head, or the tied embedding's copy
+    return total
+
+
+def weight_bytes_per_device(cfg: ModelConfig, width: int, tensor_parallel_size: int = 1,
+                            pipeline_parallel_size: int = 1, quantization: str | None = None) -> int:
+    """The most weight bytes any one device holds (the largest stage's)."""
+    return max(stage_weight_bytes(cfg, width, tensor_parallel_size, s, pipeline_parallel_size, quantization)
+               for s in range(pipeline_parallel_size))
+
+
+def kv_heads_per_device(cfg: ModelConfig, tensor_parallel_size: int) -> int:
+    """The engine's KV pool split: by whole kv heads over TP, one head per replicated group, else all."""
+    plan = partition_plan(cfg, tensor_parallel_size)
+    spec = tuple(plan.kv_cache)
+    axis = spec[1] if len(spec) > 1 else None
+    return cfg.num_kv_heads // (plan.kv_groups if axis == KV_HEADS_AXIS else
+                                tensor_parallel_size if axis == MODEL_AXIS else 1)
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, width: int, tensor_parallel_size: int = 1,
+                       pipeline_parallel_size: int = 1) -> int:
+    """K and V bytes of one block over the largest stage's layers, on one device."""
+    layers = max(e - s for s, e in stage_layer_ranges(cfg.num_layers, pipeline_parallel_size))
+    return 2 * layers * kv_heads_per_device(cfg, tensor_parallel_size) * block_size * cfg.head_dim * width
+
+
+def activation_bytes_estimate(cfg: ModelConfig, num_tokens: int, num_rows: int, width: int,
+                              tensor_parallel_size: int = 1) -> int:
+    """A without-a-GPU estimate of one step's temporary device memory: the live tensors of one layer
+    of the scan (it reuses them layer to layer) at `num_tokens` tokens -- the residual and its
+    normed copy, q/k/v and the attention output, gate, up and their product, all at `width` -- plus
+    the sampler's float32 logits over `num_rows` rows three times (logits, probabilities, the
+    top-p sort). XLA fuses some of these away, so it is an upper estimate of the dry run's figure
+    (tests/test_plan.py compares it with XLA's memory analysis on the CPU)."""
+    tp = tensor_parallel_size
+    q = cfg.num_heads * cfg.head_dim // tp
+    kv = max(1, cfg.num_kv_heads // tp) * cfg.head_dim
+    per_token = 3 * cfg.hidden_size + 2 * q + 2 * kv + 3 * -(-cfg.intermediate_size // tp)
+    return num_tokens * per_token * width + 3 * num_rows * -(-cfg.vocab_size // tp) * 4
+
+
+def default_max_model_len(max_position_embeddings: int, on_cpu: bool) -> int:
+    return min(max_position_embeddings, CPU_MAX_MODEL_LEN if on_cpu else 1 << 30)
+
+
+def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: bool = True) -> int:
+    return min(512, max_model_len) if enable_chunked_prefill else max_model_len
+
+
+def check_gpu_memory_utilization(value: float) -> None:
+    if not 0.0 < value <= MAX_GPU_MEMORY_UTILIZATION:
+        raise ValueError(f"gpu_memory_utilization must be in (0, {MAX_GPU_MEMORY_UTILIZATION}], got {value}: "
+                         "the rest of the device is the CUDA context's, XLA's and the allocator's, and a "
+                         "higher setting dies of out-of-memory under load")
+
+
+def kv_budget(total_bytes: int, gpu_memory_utilization: float, weight_bytes: int, activation_bytes: int) -> int:
+    """Bytes left for the KV pool; ValueError, with the numbers, when the weights and activation
+    reserve alone exceed the allowed share of the device."""
+    allowed = int(total_bytes * gpu_memory_utilization)
+    if weight_bytes + activation_bytes > allowed:
+        raise ValueError(
+            f"gpu_memory_utilization: weights ({weight_bytes} bytes) + activation reserve ({activation_bytes} "
+            f"bytes) = {weight_bytes + activation_bytes} bytes exceed {gpu_memory_utilization} x {total_bytes} "
+            f"= {allowed} bytes of the device; use more tensor/pipeline parallelism, quantization, or a "
+            f"smaller model (`jaxserve plan` finds a setting that fits)")
+    return allowed - weight_bytes - activation_bytes
+
+
+def blocks_per_seq(max_model_len: int, block_size: int) -> int:
+    return math.ceil(max_model_len / block_size)

@@ -1,0 +1,105 @@
+"""Pipeline-parallel overhead against tensor parallelism at the same device count, on fake CPU devices,
+and what that predicts for a GPU pair over PCIe.
+
+    python scripts/bench_pp.py [--devices 2] [--layers 8] [--hidden 512] [--tokens 32] [--iters 20]
+
+It times one model step (random weights, Llama-shaped, float32, an empty padded batch of --tokens
+tokens: all the matmuls, no attention work) on 1 device, on TP N (one mesh, XLA's all-reduces) and
+on PP N (parallel/pipeline.py: a program per stage, the residual stream device_put between stages).
+Fake CPU devices share the host's cores: TP N splits each matmul over them (so it can beat one
+device on a multi-core host), while PP N runs its stages one after another (no micro-batch
+overlap yet), so PP can at best equal one device; what PP's figure shows is its fixed cost per
+step -- one dispatch per stage plus P - 1 device_puts of [T, hidden]. Each setup is timed in
+alternating rounds and the best round counts, since the host is shared.
+
+Prediction for two GPUs over PCIe (no NVLink), Llama-3.1-8B bf16, a decode step of T = 32 tokens:
+  * a step reads the weights once: 16 GB / 864 GB/s (L40S) = 18.6 ms on one GPU;
+  * TP 2: each GPU reads half (9.3 ms) but runs 2 all-reduces per layer x 32 layers = 64, each of
+    T x 4096 x 2 B = 256 KiB; a ring all-reduce over PCIe 4.0 x16 (~25 GB/s, ~15 us latency) moves
+    2 x (N-1)/N x 256 KiB: ~10 us + 15 us = ~25 us, so ~1.6 ms a step: ~10.9 ms, 1.7x over one GPU;
+  * PP 2 (this design, stage after stage): each stage reads half, but one sequence's step visits
+    both in turn: 9.3 + 9.3 ms plus one 256 KiB transfer (~25 us): ~18.6 ms, no faster than one
+    GPU for latency; what PP buys is memory (a model twice as large) and, with micro-batches in
+    flight (not yet implemented), up to 2x throughput at the same latency.
+  So on PCIe TP 2 wins on latency for a model that fits TP; PP's per-step cost is 64x fewer
+  transfers, which is why it is the choice across nodes (the article's no-NVLink case).
+The script prints the CPU figures and the same arithmetic with the measured per-transfer costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--trials", type=int, default=7, help="rounds over the three setups; the best round counts")
+    a = p.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax
+    import numpy as np
+
+    from jaxserve import parallel
+    from jaxserve.core.scheduler_output import SchedulerOutput
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.parallel.pipeline import build_pipeline
+    from jaxserve.worker.input_batch import pack
+    from jaxserve.worker.model_runner import _model_step
+    from tests.parallel_worker import random_params
+
+    heads = max(a.devices, a.hidden // 64)
+    cfg = ModelConfig("LlamaForCausalLM", vocab_size=4096, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
+                      num_layers=a.layers, num_heads=heads, num_kv_heads=a.devices, head_dim=a.hidden // heads)
+    host = random_params(cfg)
+    batch, _ = pack(SchedulerOutput(), a.tokens, 4, 4, 16)
+    rows = np.zeros(4, np.int32)
+    shape = (cfg.num_layers, cfg.num_kv_heads, 17, 16, cfg.head_dim)
+
+    prev = np.zeros(4, np.int32)
+
+    def timed(step, params, kv) -> tuple[float, tuple]:
+        t0 = time.perf_counter()
+        for _ in range(a.iters):
+            kv, _, h = step(params, kv, batch, rows, prev)
+        jax.block_until_ready(h)
+        return (time.perf_counter() - t0) / a.iters * 1e3, kv
+
+    def single(params, kv, b, r, prev_tokens):
+        return _model_step(params, kv, b, r, prev_tokens, cfg=cfg, backend="reference")
+
+    mesh = parallel.make_mesh(a.devices, 1)
+    pipe = build_pipeline(host, cfg, 1, a.devices)
+    setups = [[single, jax.device_put(host), tuple(jax.device_put(np.zeros(shape, np.float32)) for _ in "kv")],
+              [single, parallel.shard_params(host, mesh, cfg),
+               parallel.make_sharded_kv_cache(mesh, cfg, 17, 16, np.float32)],
+              [pipe.step, None, pipe.make_kv_cache(17, 16, np.float32)]]
+    best = [float("inf")] * 3
+    for trial in range(a.trials + 1):  # round 0 compiles; then the setups alternate, so load hits all alike
+        for i, setup in enumerate(setups):
+            ms, setup[2] = timed(*setup)
+            best[i] = min(best[i], ms) if trial else best[i]
+    one, tp, pp = best
+    print(f"model step, {a.layers} layers x hidden {a.hidden}, {a.tokens} tokens, {a.devices} fake CPU devices:")
+    print(f"  1 device   {one:.2f} ms")
+    print(f"  TP {a.devices}       {tp:.2f} ms  ({tp - one:+.2f} ms vs one device; {2 * a.layers} all-reduces)")
+    print(f"  PP {a.devices}       {pp:.2f} ms  ({pp - one:+.2f} ms vs one device; {a.devices - 1} transfer(s), "
+          f"{a.devices} programs)")
+    per_hop = (pp - one) / max(1, a.devices - 1)
+    print(f"  PP cost per stage hop: {per_hop * 1e3:.0f} us" + (" (below this host's noise)" if per_hop <= 0 else ""))
+    weights_ms, ar_ms, hop_ms = 16e9 / 864e9 * 1e3, 0.025, 0.025
+    print(f"predicted Llama-3.1-8B bf16 decode step on 2 x L40S over PCIe: 1 GPU {weights_ms:.1f} ms, "
+          f"TP 2 {weights_ms / 2 + 64 * ar_ms:.1f} ms, PP 2 {weights_ms + hop_ms:.1f} ms (stage after stage)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
