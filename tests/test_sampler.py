@@ -332,7 +332,7 @@ def test_token_bitmask_masks_rows_without_a_new_program():
     assert set(np.flatnonzero(np.isfinite(masked[1]))) == {5, 37}
     assert set(np.flatnonzero(np.isfinite(masked[2]))) == {VOCAB - 1}
     np.testing.assert_array_equal(masked[0], np.asarray(logits)[0])
-    fn = jax.jit(lambda logits, md: sample(logits, md))  # a fresh function: its own jit cache
+    fn = jax.jit(lambda logits, md: sample(logits, md))  # a cache of its own
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8)]
     rows = [_row(params[i % 2]) for i in range(3)]
     free = SamplingMetadata.build(rows, 8, MAX_MODEL_LEN, num_mask_words=words)

@@ -26,7 +26,8 @@ def chat(**kw) -> ChatCompletionRequest:
     ("hermes", 'Sure.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
      "Sure.", [("add", {"a": 1, "b": 2})]),
     ("hermes", '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
-               '<tool_call>{"name": "now", "arguments": {}}</tool_call>', None, [("add", {"a": 1, "b": 2}), ("now", {})]),
+               '<tool_call>{"name": "now", "arguments": {}}</tool_call>', None,
+     [("add", {"a": 1, "b": 2}), ("now", {})]),
     ("hermes", "No tools needed.", "No tools needed.", []),
     ("hermes", "<tool_call>{not json</tool_call>", "<tool_call>{not json</tool_call>", []),
     ("llama3_json", '{"name": "add", "parameters": {"a": 3, "b": 4}}', None, [("add", {"a": 3, "b": 4})]),
