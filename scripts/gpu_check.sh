@@ -97,7 +97,7 @@ else
   STEP="--model llama-3.1-8b --batches 256 1 --context 1024 --reps 20"
   PROF="--random-model llama-3.1-8b --dtype bfloat16 --attention-backend pallas --num-prompts 256
         --max-num-seqs 256 --max-num-batched-tokens 2048 --gpu-memory-utilization 0.5"
-  GAP="--random-model llama-3.1-8b --dtype bfloat16 --num-seqs 256 --steps 30"
+  GAP="--random-model llama-3.1-8b --dtype bfloat16 --num-seqs 256 --steps 30 --max-model-len 1024"
   KERN="--skip-sweep"; COST="--model llama-3.1-8b --limit 2"
 fi
 F32="$SMALL --dtype float32 --highest-precision $PAR --num-compare 32 --workloads custom"
@@ -114,16 +114,16 @@ W1="sharegpt1000 first256"; W2="sharegpt1000 batching"
 stage llama8b 200 $E $BIG --backend $PALLAS $BIGRUN --workloads $W1 --num-compare 0 --async-scheduling
 # (c) one decode step against the hardware, and the in-place check on the GPU-compiled programs
 stage step8b 90 "$PYTHON" scripts/gpu_step.py $STEP --backend $PALLAS
-# Where a step's time goes, host phases vs device (same engine shape and cache as llama8b: no compiles)
-stage profile8b 75 "$PYTHON" scripts/profile_step.py $PROF --compilation-cache-dir "$CACHE"
+# The quantized matmuls against bf16 (W4A16 kernel at M = 1, 16, 64; the fp8 dot), when that script has landed
+[ -f scripts/gpu_quant.py ] && stage quant 60 "$PYTHON" scripts/gpu_quant.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 # (e) restart on the same cache, the other scheduling mode, then (f)
 stage llama8b_restart 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W2 --num-compare 0 --no-async-scheduling
-# The device's wait between two steps at 256 decoding sequences, sync vs async
-[ -f scripts/bench_host_gap.py ] && stage host_gap 60 "$PYTHON" scripts/bench_host_gap.py $GAP
 # (d) the kernels alone
 stage kernels 60 "$PYTHON" scripts/gpu_check.py $KERN
-# Quantized engine figures, when that script has landed
-[ -f scripts/gpu_quant.py ] && stage quant 60 "$PYTHON" scripts/gpu_quant.py $([ "$SMOKE" = 1 ] && echo --smoke)
+# Where a step's time goes, host phases vs device (same engine shape and cache as llama8b: no compiles)
+stage profile8b 75 "$PYTHON" scripts/profile_step.py $PROF --compilation-cache-dir "$CACHE"
+# The device's wait between two steps at 256 decoding sequences, sync vs async
+[ -f scripts/bench_host_gap.py ] && stage host_gap 90 "$PYTHON" scripts/bench_host_gap.py $GAP
 stage warmup_cost 45 env -u JAX_COMPILATION_CACHE_DIR "$PYTHON" scripts/warmup_cost.py $COST \
   --backend $([ "$SMOKE" = 1 ] && echo pallas-interpret || echo pallas)
 for f in "$LOGS"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt"
