@@ -36,7 +36,7 @@ from jaxserve.core.scheduler_output import SchedulerConfig
 from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
-from jaxserve.models.quant import calibration_ids, quantize_params
+from jaxserve.quantization.quantize import calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model
 
 PromptType = str | list[int] | dict

@@ -14,7 +14,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.args import EngineArgs
 from jaxserve.entrypoints.cli_args import add_serve_args, resolve
-from jaxserve.models import quant
+from jaxserve.quantization import QuantizedWeight, matmul
+from jaxserve.quantization import quantize as quant
 from jaxserve.models.config import ModelConfig
 from tests.paged_helpers import paged_logits
 from tests.parallel_worker import BASE, FAMILIES, random_params
@@ -51,17 +52,17 @@ def test_int8_matmul_is_close_to_float() -> None:
     x[:, 5] *= 20.0  # an outlier channel
     w = rng.standard_normal((128, 48)).astype(np.float32) * 0.1
     qw = quant.quantize_weight(jnp.asarray(w))
-    assert qw["q"].dtype == jnp.int8 and qw["scale"].shape == (48,)
-    got = np.asarray(quant.int8_matmul(jnp.asarray(x), qw))
+    assert isinstance(qw, QuantizedWeight) and qw.values.dtype == jnp.int8 and qw.scales.shape == (1, 48)
+    got = np.asarray(matmul(jnp.asarray(x), qw))
     want = x @ w
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
-    assert np.all(np.asarray(quant.int8_matmul(jnp.zeros((2, 128)), qw)) == 0)  # an all-zero row: no NaN
+    assert np.all(np.asarray(matmul(jnp.zeros((2, 128)), qw)) == 0)  # an all-zero row: no NaN
 
 
 def test_quantized_tiny_model_tracks_float() -> None:
     cfg, params = _family("llama_gqa")
     q = quant.quantize_params(params, cfg, "int8", quant.calibration_ids(None, cfg.vocab_size)[:64])
-    assert q["layers"]["wqkv"]["q"].dtype == jnp.int8 and q["lm_head"]["q"].dtype == jnp.int8
+    assert q["layers"]["wqkv"].values.dtype == jnp.int8 and q["lm_head"].values.dtype == jnp.int8
     for w, g in zip(paged_logits(params, cfg, PROMPTS, CONTINUATIONS), paged_logits(q, cfg, PROMPTS, CONTINUATIONS)):
         cos = (w * g).sum(-1) / (np.linalg.norm(w, axis=-1) * np.linalg.norm(g, axis=-1))
         assert cos.min() > 0.99, cos
@@ -69,7 +70,7 @@ def test_quantized_tiny_model_tracks_float() -> None:
 
 def test_quantization_arguments() -> None:
     with pytest.raises(ValueError, match="quantization"):
-        EngineArgs(quantization="fp8")
+        EngineArgs(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization"):
@@ -122,7 +123,7 @@ def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None
     # 128-token chunks: the text's later chunks read the earlier ones back from the bfloat16 pool.
     llm = LLM(jax_default_model, quantization="int8", kv_cache_dtype="bfloat16", block_size=64, **kw)
     engine = llm.llm_engine
-    assert engine.model.params["layers"]["wqkv"]["q"].dtype == jnp.int8
+    assert engine.model.params["layers"]["wqkv"].values.dtype == jnp.int8
     assert engine.runner.kv[0].dtype == jnp.uint16  # bfloat16 bits, the CPU layout
     assert "tokens, bfloat16)" in engine.startup_report()  # the report names what the pool holds
     # Half the bytes a token: the same memory holds twice the tokens.
