@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params, param_shapes
+from jaxserve.quantization.hf_linear import LinearReader
+from jaxserve.quantization.qweight import stack
 
 # our layer leaf -> (transformers name under model.layers.{i}., transpose?)
 LAYER_TENSORS: dict[str, tuple[str, bool]] = {
@@ -38,11 +40,13 @@ PlaceFn = Callable[[str, np.ndarray, jnp.dtype], jax.Array]
 
 
 def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, source: str,
-                    progress: bool = True, place_leaf: PlaceFn | None = None) -> Params:
+                    progress: bool = True, place_leaf: PlaceFn | None = None,
+                    linear: LinearReader | None = None) -> Params:
     """Read every tensor through `get`, check its shape, stack the layers and place them on device.
 
     `place_leaf` puts each stacked leaf on device; the default copies it whole to the
     default device, `jaxserve.parallel.place_fn(mesh, cfg)` sends each device only its slice.
+    `linear` (a quantized checkpoint) reads each layer's projections as QuantizedWeights.
     """
     shapes = param_shapes(cfg)
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + len(shapes["layers"])
@@ -71,6 +75,12 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     layers = {}
     for leaf, expected in shapes["layers"].items():
         hf_name, transpose = LAYER_TENSORS[leaf]
+        if linear is not None and hf_name.endswith("_proj.weight"):
+            prefix = hf_name.removesuffix(".weight")
+            qw = stack([linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in range(cfg.num_layers)])
+            layers[leaf] = jax.tree.map(jnp.asarray, qw)
+            bar.update(1)
+            continue
         stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
                              for i in range(cfg.num_layers)])
         layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}", f"layers/{leaf}")
