@@ -42,18 +42,25 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed) -> jax.Array
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     rows = x.size // x.shape[-1]
-    if _use_kernel(w, rows):
+    xla = lambda x: x @ dequantize(w, x.dtype)  # noqa: E731
+    if not _kernel_fits(w, rows):
+        return xla(x)
+
+    def kernel(x: jax.Array) -> jax.Array:
         from pallas_kernels.w4a16_matmul import w4a16_matmul
 
         out = w4a16_matmul(x.reshape(rows, -1), w.values, w.scales, w.zeros, group_size=w.group_size)
         return out.reshape(*x.shape[:-1], -1)
-    return x @ dequantize(w, x.dtype)
+
+    # Chosen when the program is lowered, for the platform it is lowered for: an export for
+    # cuda from a CPU host gets the kernel, a CPU run the XLA dot.
+    return jax.lax.platform_dependent(x, cuda=kernel, default=xla)
 
 
-def _use_kernel(w: QuantizedWeight, rows: int) -> bool:
+def _kernel_fits(w: QuantizedWeight, rows: int) -> bool:
     from pallas_kernels.w4a16_matmul import supported
 
-    return (jax.default_backend() == "gpu" and w.scheme == "w4a16" and rows <= DECODE_MAX_ROWS
+    return (w.scheme == "w4a16" and rows <= DECODE_MAX_ROWS and w.values.ndim == 2
             and supported(w.shape[-2], w.shape[-1], w.group_size))
 
 
