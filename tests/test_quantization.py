@@ -137,3 +137,27 @@ def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None
     text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)[0].outputs[0].text
     assert "Paris" in text
+
+
+def test_quantized_weights_shard_with_their_scales_under_tensor_parallelism() -> None:
+    """Two fake CPU devices in a subprocess (the device count is fixed once jax starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "tests.quant_tp_worker", "2"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for scheme, r in out.items():
+        assert r["rel"] < 1e-5, (scheme, r)  # the same logits as on one device
+        # column-parallel wq: values and scales split on N; row-parallel wo: values split on K
+        assert r["wq_values"][-1] == r["wq_full"][-1] // 2 and r["wq_scales"][-1] == r["wq_values"][-1]
+        assert r["wo_values"][1] == r["wo_full"][1] // 2
+    assert out["w4a16"]["wo_scales"][1] == out["w4a16"]["wo_scales_full"][1] // 2  # whole groups per device
+    assert out["fp8"]["wo_scales"] == out["fp8"]["wo_scales_full"]  # per channel: whole on each device

@@ -109,7 +109,13 @@ def load_model(model: str | None = None, dtype: str = "auto", progress: bool = T
 
     cfg = read_config(path)
     quant = read_quantization(path, quantization)
-    params = load_safetensors_dir(path, cfg, jdtype, progress, _placer(mesh, cfg), quant)
+    # A quantized checkpoint is assembled on the default device, then sharded (its leaves are
+    # QuantizedWeights, which the per-leaf placer does not split yet).
+    params = load_safetensors_dir(path, cfg, jdtype, progress, None if quant else _placer(mesh, cfg), quant)
+    if quant is not None and mesh is not None:
+        from jaxserve.parallel import shard_params
+
+        params = shard_params(params, mesh, cfg)
     return LoadedModel(cfg, params, _dir_tokenizer(path), name, path, quant and quant.method)
 
 

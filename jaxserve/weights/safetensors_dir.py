@@ -110,8 +110,5 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
 
-    if quant is not None and place_leaf is not None:
-        raise ValueError(f"quantization: a {quant.method} checkpoint loads on one device for now "
-                         "(tensor_parallel_size 1)")
     linear = None if quant is None else linear_reader(quant, get, dtype)
     return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear)
