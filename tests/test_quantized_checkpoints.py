@@ -176,3 +176,29 @@ def test_quantization_flag_checks_the_checkpoint(checkpoints, float_models, tmp_
         with pytest.raises(ValueError, match=f"'{method}' is not supported; supported checkpoint methods: "
                                              "awq, gptq, compressed-tensors, fp8"):
             load_model(str(bad), dtype="float32", progress=False)
+
+
+@pytest.mark.parametrize("case", ["gptq4_actorder_asym", "ct_fp8_dynamic"])
+def test_engine_serves_a_quantized_checkpoint_without_recompiling(checkpoints, case) -> None:
+    from jaxserve import LLM, SamplingParams
+
+    path, ref = checkpoints("llama", case)
+    llm = LLM(str(path), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
+              progress=False)
+    engine = llm.llm_engine
+    assert "MiB per device" in engine.startup_report() and CASES[case][0]["quant_method"] in engine.startup_report()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NUM_GREEDY, ignore_eos=True), use_tqdm=False)
+    for out, prompt in zip(outs, PROMPTS):
+        assert list(out.outputs[0].token_ids) == _hf_greedy(ref, prompt)[0]
+    assert engine.get_stats().num_compilations_after_warmup == 0
+
+
+def test_4bit_linear_weights_are_under_0_3x_bfloat16(checkpoints) -> None:
+    for case in ("gptq4_sym", "awq", "ct_w4a16"):
+        path, _ = checkpoints("llama", case)
+        layers = load_model(str(path), dtype="bfloat16", progress=False).params["layers"]
+        linear = [layers[k] for k in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")]
+        stored = sum(w.nbytes for w in linear)
+        bf16 = sum(2 * int(np.prod(w.shape)) for w in linear)
+        assert stored <= 0.3 * bf16, (case, stored / bf16)
