@@ -83,7 +83,7 @@ def test_quantization_arguments() -> None:
 
 def test_kv_cache_dtype_arguments() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineArgs(kv_cache_dtype="fp8")
+        EngineArgs(kv_cache_dtype="fp8_e3m4")
     parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
     assert resolve(parser.parse_args(["--kv-cache-dtype", "bfloat16"])).engine.kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):

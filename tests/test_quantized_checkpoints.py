@@ -104,6 +104,9 @@ def checkpoints(float_models, tmp_path_factory):
                 ref.get_submodule(prefix).weight.data = torch.from_numpy(np.ascontiguousarray(ref_w))
                 if CASES[case][2]:
                     ref.get_submodule(prefix).register_forward_pre_hook(_act_quant(CASES[case][2], quantized))
+            if case == "fp8_static":  # vLLM's fp8 KV cache scales (a float pool computes the same function)
+                tensors.update({f"model.layers.{i}.self_attn.{n}": torch.tensor(np.float32(v))
+                                for n, v in (("k_scale", 2.0), ("v_scale", 0.5))})
         if base.config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
         path = tmp_path_factory.mktemp(f"{family}_{case}")
@@ -148,6 +151,7 @@ def test_checkpoint_matches_dequantized_reference(checkpoints, family: str, case
     assert loaded.quantization == CASES[case][0]["quant_method"]
     wq = loaded.params["layers"]["wq"]
     assert isinstance(wq, QuantizedWeight) and wq.shape == (2, 256, 256)
+    assert ("k_scale" in loaded.params["layers"]) == (case == "fp8_static")
     greedy, want = zip(*(_hf_greedy(ref, p) for p in PROMPTS))
     got = paged_logits(loaded.params, loaded.config, PROMPTS, [g[:-1] for g in greedy])
     tol = TOLERANCE[CASES[case][2]]

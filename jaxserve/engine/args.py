@@ -14,7 +14,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
 QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")  # jaxserve.quantization; kept here so reading the flags imports no JAX
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ Params (weights stored [in, out] so activations multiply on the left):
       wq [L, hidden, nq*hd]  wk, wv [L, hidden, nkv*hd]  wo [L, nq*hd, hidden]
       bq [L, nq*hd]  bk, bv [L, nkv*hd]               (attention_bias only)
       q_norm, k_norm [L, hd]                             (qk_norm only)
+      k_scale, v_scale [L]                   (a quantized checkpoint's fp8 KV scales, when it has them)
       w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
     final_norm   [hidden]
     lm_head      [hidden, vocab]                         (untied only)
@@ -71,9 +72,13 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
                      layer: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     num_tokens = x.shape[0]
     q, k, v = project_qkv(cfg, lp, x, positions, inv_freq)
+    if "k_scale" in lp:  # a checkpoint's fp8 KV scales: the pool holds k / k_scale and v / v_scale
+        k, v, q = k / lp["k_scale"], v / lp["v_scale"], q * lp["k_scale"]
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
     out = attention.attend(backend, q, k_cache, v_cache, md, layer,
                            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    if "v_scale" in lp:
+        out = out * lp["v_scale"].astype(out.dtype)
     return matmul(out.reshape(num_tokens, -1), lp["wo"]), (k_cache, v_cache)
 
 

@@ -84,6 +84,8 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
         stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
                              for i in range(cfg.num_layers)])
         layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}", f"layers/{leaf}")
+    if linear is not None:
+        layers.update(_kv_scales(get, cfg.num_layers))
     params["layers"] = layers
     params["final_norm"] = place(fetch("model.norm.weight", False, shapes["final_norm"]), shapes["final_norm"],
                                  "model.norm.weight", "final_norm")
@@ -92,3 +94,16 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
                                   "lm_head.weight", "lm_head")
     bar.close()
     return params
+
+
+def _kv_scales(get: TensorGetter, num_layers: int) -> dict[str, jax.Array]:
+    """A quantized checkpoint's per-layer KV cache scales (vLLM's self_attn.k_scale / v_scale), if any."""
+    out = {}
+    for leaf in ("k_scale", "v_scale"):
+        try:
+            vals = [np.asarray(get(f"model.layers.{i}.self_attn.{leaf}"), np.float32).reshape(-1).max()
+                    for i in range(num_layers)]
+        except KeyError:
+            return {}
+        out[leaf] = jnp.asarray(np.stack(vals))
+    return out
