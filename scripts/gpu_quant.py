@@ -7,6 +7,7 @@ Random weights (timing depends on shapes only); the W4A16 weights use group size
 is the median of --iters runs after a warm-up. Prints one line per batch size M and a SUMMARY line.
 
   python scripts/gpu_quant.py            # on the H200 (< 60 s)
+  python scripts/gpu_quant.py --cpu-smollm2  # CPU: SmolLM2-135M's layer in float32, XLA paths vs float32
   python scripts/gpu_quant.py --cpu-smoke  # tiny shapes, to check the script runs anywhere (on a CPU
                                            # "kernel" is the XLA dequantize-then-dot path)
 """
@@ -27,19 +28,20 @@ import numpy as np  # noqa: E402
 from jaxserve.quantization import QuantizedWeight, matmul  # noqa: E402
 from pallas_kernels.w4a16_matmul import w4a16_matmul_reference  # noqa: E402
 
+SMOLLM2 = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 LAYER = [(4096, 4096), (4096, 1024), (4096, 1024), (4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)]
 GROUP = 128
 
 
-def weights(shapes, rng):
+def weights(shapes, rng, dtype=jnp.bfloat16, group: int = GROUP):
     bf16, w4, f8 = [], [], []
     for k, n in shapes:
         key = jax.random.fold_in(rng, k * 7 + n)
-        bf16.append(jax.random.normal(key, (k, n), jnp.bfloat16) * 0.02)
+        bf16.append(jax.random.normal(key, (k, n), dtype) * 0.02)
         packed = jax.random.randint(key, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)
-        scales = jnp.full((k // GROUP, n), 0.002, jnp.bfloat16)
-        zeros = jnp.full((k // GROUP, n), 8, jnp.uint8)
-        w4.append(QuantizedWeight(packed, scales, zeros, scheme="w4a16", group_size=GROUP))
+        scales = jnp.full((k // group, n), 0.002, dtype)
+        zeros = jnp.full((k // group, n), 8, jnp.uint8)
+        w4.append(QuantizedWeight(packed, scales, zeros, scheme="w4a16", group_size=group))
         f8.append(QuantizedWeight(jax.random.normal(key, (k, n), jnp.float32).astype(jnp.float8_e4m3fn),
                                   jnp.full((1, n), 0.02, jnp.float32), scheme="fp8"))
     return bf16, w4, f8
@@ -67,7 +69,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes (any machine)")
+    ap.add_argument("--cpu-smollm2", action="store_true", help="SmolLM2-135M's layer, float32, vs float32")
     args = ap.parse_args()
+    if args.cpu_smollm2:
+        return cpu_smollm2(args.iters)
     shapes = [(256, 128), (256, 512), (512, 256)] if args.cpu_smoke else LAYER
     t_start = time.perf_counter()
     print(f"devices: {jax.devices()}  jax {jax.__version__}")
@@ -100,6 +105,25 @@ def main() -> int:
               f"speedup {t_b / t_q:.2f}x  (dynamic per-token activation scales included)")
     summary = "  ".join(f"{k}: {v:.2f}x" for k, v in ratios.items())
     print(f"SUMMARY {summary}  (total {time.perf_counter() - t_start:.1f} s)")
+    return 0
+
+
+def cpu_smollm2(iters: int) -> int:
+    """The CPU serving paths (XLA) against a float32 dot, at decode (M=32) and prefill (M=512) sizes."""
+    from jaxserve.quantization.quantize import quantize_weight
+
+    f32, w4, f8 = weights(SMOLLM2, jax.random.PRNGKey(0), jnp.float32, group=64)
+    i8 = [quantize_weight(w, "int8") for w in f32]
+    f_q, f_f = jax.jit(run_layer), jax.jit(run_layer_bf16)
+    for m in (32, 512):
+        x = jax.random.normal(jax.random.PRNGKey(m), (m, 576), jnp.float32)
+        xd = jax.random.normal(jax.random.PRNGKey(m + 1), (m, 1536), jnp.float32)
+        t_f = median_seconds(f_f, (x, xd, f32), iters)
+        line = [f"M={m:3d}: float32 {t_f * 1e6:7.0f} us"]
+        for name, ws in (("w4a16", w4), ("fp8", f8), ("int8", i8)):
+            t = median_seconds(f_q, (x, xd, ws), iters)
+            line.append(f"{name} {t * 1e6:7.0f} us ({t_f / t:.2f}x)")
+        print("SmolLM2-135M layer, CPU  " + "  ".join(line))
     return 0
 
 
