@@ -133,7 +133,7 @@ def main() -> int:
         ppl = {k: float(np.exp(nll(params, loaded.config, ids, kv_dtype))) for k, ids in segs.items()}
         base = base or ppl
         quantized = any(isinstance(w, QuantizedWeight) for w in params["layers"].values())
-        ratio = f"{linear_ratio(params):.2f}x" if quantized else "1.00x" if kv_dtype != jnp.float32 else "-"
+        ratio = f"{linear_ratio(params):.2f}x" if quantized else "-"
         print(f"{name:26s} " + "  ".join(f"{k} {v:7.3f} ({100 * (v / base[k] - 1):+5.1f}%)" for k, v in ppl.items())
               + f"  linear bytes vs bf16: {ratio}")
     print(f"SUMMARY perplexity per segment, % vs float32 (total {time.perf_counter() - t0:.0f} s)")

@@ -6,6 +6,7 @@
     quantize.py    quantize-on-load: int8 (SmoothQuant W8A8) and fp8, via qwix
     formats.py     `quantization_config` detection (vLLM's names) and `--quantization` checks
     hf_linear.py   AWQ / GPTQ / compressed-tensors / fp8 tensors -> QuantizedWeight, once at load
+    sharding.py    tensor parallelism: each field's PartitionSpec (scales shard with their weights)
 """
 
 from jaxserve.quantization.matmul import matmul
