@@ -42,7 +42,9 @@ def main(tp: int) -> None:
                   if k in LINEAR_LEAVES else jnp.asarray(v) for k, v in host["layers"].items()}
         params = {**jax.tree.map(jnp.asarray, host), "layers": layers}
         want = paged_logits(params, cfg, PROMPTS, CONTINUATIONS)
-        sharded = parallel.shard_params(params, parallel.make_mesh(tp, 1), cfg)
+        mesh = parallel.make_mesh(tp, 1)
+        sharded = parallel.shard_params(params, mesh, cfg)
+        summary = parallel.sharding_summary(mesh, cfg, sharded)
         got = paged_logits(sharded, cfg, PROMPTS, CONTINUATIONS)
         rel = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
         wq, wo = sharded["layers"]["wq"], sharded["layers"]["wo"]
@@ -51,7 +53,7 @@ def main(tp: int) -> None:
                        "wo_values": list(wo.values.addressable_shards[0].data.shape),
                        "wo_scales": list(wo.scales.addressable_shards[0].data.shape),
                        "wq_full": list(wq.values.shape), "wo_full": list(wo.values.shape),
-                       "wo_scales_full": list(wo.scales.shape)}
+                       "wo_scales_full": list(wo.scales.shape), "summary": summary}
     print(json.dumps(out))
 
 

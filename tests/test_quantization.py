@@ -159,5 +159,6 @@ def test_quantized_weights_shard_with_their_scales_under_tensor_parallelism() ->
         # column-parallel wq: values and scales split on N; row-parallel wo: values split on K
         assert r["wq_values"][-1] == r["wq_full"][-1] // 2 and r["wq_scales"][-1] == r["wq_values"][-1]
         assert r["wo_values"][1] == r["wo_full"][1] // 2
+        assert "layers/wq/values" in r["summary"] and "layers/wq/scales" in r["summary"]  # the start-up table
     assert out["w4a16"]["wo_scales"][1] == out["w4a16"]["wo_scales_full"][1] // 2  # whole groups per device
     assert out["fp8"]["wo_scales"] == out["fp8"]["wo_scales_full"]  # per channel: whole on each device
