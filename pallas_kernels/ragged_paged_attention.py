@@ -71,6 +71,8 @@ def flash_block(q, k, v, q_pos, key_pos, kv_len, carry, *, sm_scale, sliding_win
                 soft_cap):
     """One online-softmax step of q [M, D] over one cache block k, v [BS, D]."""
     m, l, acc = carry  # [M], [M], [M, D] float32
+    if jnp.dtype(k.dtype).itemsize == 1:  # an fp8 pool: widen the block rather than round q and p to fp8
+        k, v = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     # tl.dot takes operands of one dtype: q in the pool's (a float32 model over a bfloat16 pool).
     s = cap_logits(dot_nt(q.astype(k.dtype), k) * sm_scale, soft_cap)  # [M, BS]
     mask = key_pos[None, :] <= q_pos[:, None]

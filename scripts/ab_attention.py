@@ -34,7 +34,7 @@ from jaxserve.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS
 from jaxserve.models import attention, llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.attention import AttentionMetadata
-from jaxserve.models.quant import calibration_ids, quantize_params
+from jaxserve.quantization.quantize import calibration_ids, quantize_params
 from pallas_kernels import reference_core
 from pallas_kernels.common import token_positions
 

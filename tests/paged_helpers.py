@@ -27,14 +27,14 @@ def _metadata(seq_blocks, kv_lens, q_lens, slots, max_blocks):
 
 
 def paged_logits(params, cfg: ModelConfig, prompts: list[list[int]], continuations: list[list[int]],
-                 block_size: int = 4, num_blocks: int = 64, backend: str = "reference"):
+                 block_size: int = 4, num_blocks: int = 64, backend: str = "reference", kv_dtype=None):
     """Logits [seq][position] for the last prompt token and each teacher-forced continuation token.
 
     Blocks are handed out in a scrambled order (and block 0 holds garbage) so that a
     kernel reading the wrong block or past kv_len shows up as a mismatch.
     """
     kv = make_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim,
-                       params["embed"].dtype)
+                       kv_dtype or params["embed"].dtype)
     kv = (kv[0].at[:, :, 0].set(1e4), kv[1].at[:, :, 0].set(-1e4))
     free = list(np.random.default_rng(0).permutation(np.arange(1, num_blocks)))
     blocks: list[list[int]] = [[] for _ in prompts]

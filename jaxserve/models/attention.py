@@ -77,8 +77,14 @@ def _decode_rows(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax
             jnp.pad(md.block_tables, ((0, num_tokens - n), (0, 0))))
 
 
+# vLLM's fp8 KV cache names: fp8 is e4m3 (with the checkpoint's k/v scales when it has them).
+FP8_KV_DTYPES = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+
+
 def kv_values_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:
     """The dtype K and V are kept in (EngineArgs.kv_cache_dtype; `auto` follows the model)."""
+    if kv_cache_dtype in FP8_KV_DTYPES:
+        return jnp.dtype(FP8_KV_DTYPES[kv_cache_dtype])
     return jnp.dtype(model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype)
 
 

@@ -13,13 +13,16 @@ Params (weights stored [in, out] so activations multiply on the left):
       wq [L, hidden, nq*hd]  wk, wv [L, hidden, nkv*hd]  wo [L, nq*hd, hidden]
       bq [L, nq*hd]  bk, bv [L, nkv*hd]               (attention_bias only)
       q_norm, k_norm [L, hd]                             (qk_norm only)
+      k_scale, v_scale [L]                   (a quantized checkpoint's fp8 KV scales, when it has them)
       w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
     final_norm   [hidden]
     lm_head      [hidden, vocab]                         (untied only)
 
-With `--quantization int8` (jaxserve.models.quant) the matmul weights are
-{"q": int8, "scale": float32} dicts, wq|wk|wv fused into `wqkv`, w_gate|w_up
-into `w_gate_up`, and `lm_head` is always present (tied: a quantized embed.T).
+Any matmul weight may be a `jaxserve.quantization.QuantizedWeight` (a quantized
+checkpoint, or `--quantization`); every product goes through its one
+`matmul(x, w)`, so this file never looks at a format. Layouts the model does
+see: `--quantization int8` fuses wq|wk|wv into `wqkv` and w_gate|w_up into
+`w_gate_up`, and always has an `lm_head` (tied: a quantized embed.T).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 from jaxserve.models import attention
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.quant import linear
+from jaxserve.quantization.matmul import matmul
 from jaxserve.models.rope import apply_rope, inv_frequencies
 
 Params = dict[str, jax.Array | dict[str, jax.Array]]
@@ -48,11 +51,11 @@ def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
     """One layer's q [T, nq, hd], k, v [T, nkv, hd] from its normed input: projections, biases,
     q/k norms and rope (float or quantized weights)."""
     num_tokens = x.shape[0]
-    if "wqkv" in lp:  # quantized: one fused dot
+    if "wqkv" in lp:  # fused layout (int8): one dot
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = jnp.split(linear(x, lp["wqkv"]), [nq, nq + nkv], axis=-1)
+        q, k, v = jnp.split(matmul(x, lp["wqkv"]), [nq, nq + nkv], axis=-1)
     else:
-        q, k, v = x @ lp["wq"], x @ lp["wk"], x @ lp["wv"]
+        q, k, v = matmul(x, lp["wq"]), matmul(x, lp["wk"]), matmul(x, lp["wv"])
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -69,10 +72,14 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
                      layer: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     num_tokens = x.shape[0]
     q, k, v = project_qkv(cfg, lp, x, positions, inv_freq)
+    if "k_scale" in lp:  # a checkpoint's fp8 KV scales: the pool holds k / k_scale and v / v_scale
+        k, v, q = k / lp["k_scale"], v / lp["v_scale"], q * lp["k_scale"]
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
     out = attention.attend(backend, q, k_cache, v_cache, md, layer,
                            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
-    return linear(out.reshape(num_tokens, -1), lp["wo"]), (k_cache, v_cache)
+    if "v_scale" in lp:
+        out = out * lp["v_scale"].astype(out.dtype)
+    return matmul(out.reshape(num_tokens, -1), lp["wo"]), (k_cache, v_cache)
 
 
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
@@ -105,11 +112,11 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
             (k_cache, v_cache), md, layer, inv_freq)
         h = h + attn_out
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        if "w_gate_up" in lp:  # quantized: one fused dot
-            gate, up = jnp.split(linear(x, lp["w_gate_up"]), 2, axis=-1)
+        if "w_gate_up" in lp:  # fused layout (int8): one dot
+            gate, up = jnp.split(matmul(x, lp["w_gate_up"]), 2, axis=-1)
         else:
-            gate, up = x @ lp["w_gate"], x @ lp["w_up"]
-        h = h + linear(jax.nn.silu(gate) * up, lp["w_down"])
+            gate, up = matmul(x, lp["w_gate"]), matmul(x, lp["w_up"])
+        h = h + matmul(jax.nn.silu(gate) * up, lp["w_down"])
         return (h, k_cache, v_cache), None
 
     num_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -121,7 +128,7 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden: [N, hidden] -> float32 logits [N, vocab]."""
     head = params.get("lm_head")
-    logits = linear(hidden, params["embed"].T if head is None else head)
+    logits = matmul(hidden, params["embed"].T if head is None else head)
     return logits.astype(jnp.float32)
 
 

@@ -20,6 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
 from jaxserve.parallel.mesh import tensor_parallel_size
+from jaxserve.quantization.sharding import expand_specs
 from jaxserve.parallel.specs import REPLICATED, PartitionPlan, mesh_for, partition_plan
 
 # leaf path ("embed", "layers/wq", ...), host array, target dtype -> the sharded device array
@@ -34,9 +35,11 @@ class ModelShardings:
     replicated: NamedSharding  # batch inputs, sampled tokens, logits
 
     @classmethod
-    def create(cls, mesh: Mesh, cfg: ModelConfig) -> "ModelShardings":
+    def create(cls, mesh: Mesh, cfg: ModelConfig, params: Params | None = None) -> "ModelShardings":
+        """`params`: the tree to match when it holds quantized weights (their scales shard with them)."""
         plan = partition_plan(cfg, tensor_parallel_size(mesh))
-        params = jax.tree.map(lambda s: _named(mesh, s, plan), plan.specs,
+        specs = plan.specs if params is None else expand_specs(plan.specs, params, tensor_parallel_size(mesh))
+        params = jax.tree.map(lambda s: _named(mesh, s, plan), specs,
                               is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         kv = _named(mesh, plan.kv_cache, plan)
         return cls(params, (kv, kv), NamedSharding(mesh, REPLICATED))
@@ -55,7 +58,7 @@ def kv_cache_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
 
 def shard_params(params: Params, mesh: Mesh, cfg: ModelConfig) -> Params:
     """device_put every leaf with its NamedSharding (params already in memory)."""
-    return jax.device_put(params, ModelShardings.create(mesh, cfg).params)
+    return jax.device_put(params, ModelShardings.create(mesh, cfg, params).params)
 
 
 def make_sharded_kv_cache(mesh: Mesh, cfg: ModelConfig, num_blocks: int, block_size: int,

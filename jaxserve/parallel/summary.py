@@ -10,6 +10,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxserve.models.config import ModelConfig
 from jaxserve.parallel.mesh import tensor_parallel_size
 from jaxserve.parallel.specs import PartitionPlan, mesh_for, partition_plan
+from jaxserve.quantization.sharding import expand_specs
 
 
 def _spec_str(spec) -> str:
@@ -36,11 +37,12 @@ def sharding_summary(mesh: Mesh, cfg: ModelConfig, params: dict,
     axes = ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
     lines = [f"mesh ({axes}) over {mesh.devices.size} {mesh.devices.flat[0].platform} device(s)"]
     flat_params = jax.tree_util.tree_flatten_with_path(params)[0]
+    specs = expand_specs(plan.specs, params, tensor_parallel_size(mesh))  # quantized leaves: per field
     spec_of = dict(jax.tree_util.tree_flatten_with_path(
-        plan.specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))[0])
     weight_bytes = 0
     for path, x in flat_params:
-        name = "/".join(str(k.key) for k in path)
+        name = "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
         spec = spec_of[path]
         nbytes = _per_device_bytes(mesh, plan, spec, x.shape, x.dtype)
         weight_bytes += nbytes

@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params, param_shapes
+from jaxserve.quantization.hf_linear import LinearReader
+from jaxserve.quantization.qweight import stack
 
 # our layer leaf -> (transformers name under model.layers.{i}., transpose?)
 LAYER_TENSORS: dict[str, tuple[str, bool]] = {
@@ -38,11 +40,13 @@ PlaceFn = Callable[[str, np.ndarray, jnp.dtype], jax.Array]
 
 
 def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, source: str,
-                    progress: bool = True, place_leaf: PlaceFn | None = None) -> Params:
+                    progress: bool = True, place_leaf: PlaceFn | None = None,
+                    linear: LinearReader | None = None) -> Params:
     """Read every tensor through `get`, check its shape, stack the layers and place them on device.
 
     `place_leaf` puts each stacked leaf on device; the default copies it whole to the
     default device, `jaxserve.parallel.place_fn(mesh, cfg)` sends each device only its slice.
+    `linear` (a quantized checkpoint) reads each layer's projections as QuantizedWeights.
     """
     shapes = param_shapes(cfg)
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + len(shapes["layers"])
@@ -71,9 +75,17 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     layers = {}
     for leaf, expected in shapes["layers"].items():
         hf_name, transpose = LAYER_TENSORS[leaf]
+        if linear is not None and hf_name.endswith("_proj.weight"):
+            prefix = hf_name.removesuffix(".weight")
+            qw = stack([linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in range(cfg.num_layers)])
+            layers[leaf] = jax.tree.map(jnp.asarray, qw)
+            bar.update(1)
+            continue
         stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
                              for i in range(cfg.num_layers)])
         layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}", f"layers/{leaf}")
+    if linear is not None:
+        layers.update(_kv_scales(get, cfg.num_layers))
     params["layers"] = layers
     params["final_norm"] = place(fetch("model.norm.weight", False, shapes["final_norm"]), shapes["final_norm"],
                                  "model.norm.weight", "final_norm")
@@ -82,3 +94,16 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
                                   "lm_head.weight", "lm_head")
     bar.close()
     return params
+
+
+def _kv_scales(get: TensorGetter, num_layers: int) -> dict[str, jax.Array]:
+    """A quantized checkpoint's per-layer KV cache scales (vLLM's self_attn.k_scale / v_scale), if any."""
+    out = {}
+    for leaf in ("k_scale", "v_scale"):
+        try:
+            vals = [np.asarray(get(f"model.layers.{i}.self_attn.{leaf}"), np.float32).reshape(-1).max()
+                    for i in range(num_layers)]
+        except KeyError:
+            return {}
+        out[leaf] = jnp.asarray(np.stack(vals))
+    return out

@@ -35,6 +35,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase | None
     name: str  # what /v1/models calls it unless --served-model-name says otherwise
     path: Path
+    quantization: str | None = None  # the checkpoint's method (formats.CHECKPOINT_METHODS), None: float
 
 
 def resolve_dtype(name: str) -> jnp.dtype:
@@ -78,8 +79,10 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None = None, dtype: str = "auto", progress: bool = True,
-               mesh: "jax.sharding.Mesh | None" = None) -> LoadedModel:
-    """With a `mesh`, every weight goes straight into its tensor-parallel shards."""
+               mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None) -> LoadedModel:
+    """With a `mesh`, every weight goes straight into its tensor-parallel shards. `quantization`
+    (EngineArgs.quantization) is checked against an HF directory's quantization_config; the
+    quantize-on-load methods (int8, fp8 on a float checkpoint) are applied by the engine."""
     path = resolve_model_path(model)
     jdtype = resolve_dtype(dtype)
     name = model or "SmolLM2-135M-Instruct"
@@ -102,11 +105,18 @@ def load_model(model: str | None = None, dtype: str = "auto", progress: bool = T
 
             params = shard_params(params, mesh, cfg)
         return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
-    from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_config
+    from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_config, read_quantization
 
     cfg = read_config(path)
-    params = load_safetensors_dir(path, cfg, jdtype, progress, _placer(mesh, cfg))
-    return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
+    quant = read_quantization(path, quantization)
+    # A quantized checkpoint is assembled on the default device, then sharded (its leaves are
+    # QuantizedWeights, which the per-leaf placer does not split yet).
+    params = load_safetensors_dir(path, cfg, jdtype, progress, None if quant else _placer(mesh, cfg), quant)
+    if quant is not None and mesh is not None:
+        from jaxserve.parallel import shard_params
+
+        params = shard_params(params, mesh, cfg)
+    return LoadedModel(cfg, params, _dir_tokenizer(path), name, path, quant and quant.method)
 
 
 def _placer(mesh, cfg: ModelConfig):

@@ -7,10 +7,14 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
 from safetensors import safe_open
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
+from jaxserve.quantization.formats import QuantSpec, detect
+from jaxserve.quantization.hf_linear import linear_reader
 from jaxserve.weights.assemble import PlaceFn, assemble_params
 
 
@@ -57,6 +61,19 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _read_fp8(path: Path, name: str) -> np.ndarray:
+    """One F8_E4M3 / F8_E5M2 tensor read straight from the file (8-byte header size, JSON header, data)."""
+    with open(path, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        entry = json.loads(fh.read(size))[name]
+    dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(f"{path}: cannot read tensor {name!r} of dtype {entry['dtype']}")
+    start, end = entry["data_offsets"]
+    data = np.fromfile(path, np.uint8, count=end - start, offset=8 + size + start)
+    return data.view(dtype).reshape(entry["shape"])
+
+
 def _open(path: Path):
     try:
         # framework="flax" reads bfloat16 too (numpy has no bfloat16 of its own).
@@ -65,8 +82,13 @@ def _open(path: Path):
         raise ValueError(f"{path}: cannot read safetensors file ({e})") from None
 
 
+def read_quantization(model_dir: Path, requested: str | None) -> QuantSpec | None:
+    """The checkpoint's quantization (config.json's quantization_config), checked against `requested`."""
+    return detect(_read_json(model_dir / "config.json"), requested)
+
+
 def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
-                         place_leaf: PlaceFn | None = None) -> Params:
+                         place_leaf: PlaceFn | None = None, quant: QuantSpec | None = None) -> Params:
     files = _tensor_files(model_dir)
     handles: dict[Path, object] = {}
 
@@ -83,7 +105,10 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
             # `place_leaf` sends each one straight to its tensor-parallel shards.
             with jax.default_device(jax.local_devices(backend="cpu")[0]):  # this process's (multi-host)
                 return handles[f].get_tensor(name)
+        except AttributeError:  # safetensors' flax reader names numpy fp8 dtypes numpy lacks
+            return _read_fp8(f, name)
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
 
-    return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf)
+    linear = None if quant is None else linear_reader(quant, get, dtype)
+    return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear)

@@ -14,7 +14,8 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.engine.args import EngineArgs
 from jaxserve.entrypoints.cli_args import add_serve_args, resolve
-from jaxserve.models import quant
+from jaxserve.quantization import QuantizedWeight, matmul
+from jaxserve.quantization import quantize as quant
 from jaxserve.models.config import ModelConfig
 from tests.paged_helpers import paged_logits
 from tests.parallel_worker import BASE, FAMILIES, random_params
@@ -51,17 +52,17 @@ def test_int8_matmul_is_close_to_float() -> None:
     x[:, 5] *= 20.0  # an outlier channel
     w = rng.standard_normal((128, 48)).astype(np.float32) * 0.1
     qw = quant.quantize_weight(jnp.asarray(w))
-    assert qw["q"].dtype == jnp.int8 and qw["scale"].shape == (48,)
-    got = np.asarray(quant.int8_matmul(jnp.asarray(x), qw))
+    assert isinstance(qw, QuantizedWeight) and qw.values.dtype == jnp.int8 and qw.scales.shape == (1, 48)
+    got = np.asarray(matmul(jnp.asarray(x), qw))
     want = x @ w
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.03
-    assert np.all(np.asarray(quant.int8_matmul(jnp.zeros((2, 128)), qw)) == 0)  # an all-zero row: no NaN
+    assert np.all(np.asarray(matmul(jnp.zeros((2, 128)), qw)) == 0)  # an all-zero row: no NaN
 
 
 def test_quantized_tiny_model_tracks_float() -> None:
     cfg, params = _family("llama_gqa")
     q = quant.quantize_params(params, cfg, "int8", quant.calibration_ids(None, cfg.vocab_size)[:64])
-    assert q["layers"]["wqkv"]["q"].dtype == jnp.int8 and q["lm_head"]["q"].dtype == jnp.int8
+    assert q["layers"]["wqkv"].values.dtype == jnp.int8 and q["lm_head"].values.dtype == jnp.int8
     for w, g in zip(paged_logits(params, cfg, PROMPTS, CONTINUATIONS), paged_logits(q, cfg, PROMPTS, CONTINUATIONS)):
         cos = (w * g).sum(-1) / (np.linalg.norm(w, axis=-1) * np.linalg.norm(g, axis=-1))
         assert cos.min() > 0.99, cos
@@ -69,7 +70,7 @@ def test_quantized_tiny_model_tracks_float() -> None:
 
 def test_quantization_arguments() -> None:
     with pytest.raises(ValueError, match="quantization"):
-        EngineArgs(quantization="fp8")
+        EngineArgs(quantization="bitsandbytes")
     with pytest.raises(ValueError, match="quantization"):
         EngineArgs(quantization="int8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization"):
@@ -82,7 +83,7 @@ def test_quantization_arguments() -> None:
 
 def test_kv_cache_dtype_arguments() -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineArgs(kv_cache_dtype="fp8")
+        EngineArgs(kv_cache_dtype="fp8_e3m4")
     parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
     assert resolve(parser.parse_args(["--kv-cache-dtype", "bfloat16"])).engine.kv_cache_dtype == "bfloat16"
     with pytest.raises(SystemExit):
@@ -122,7 +123,7 @@ def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None
     # 128-token chunks: the text's later chunks read the earlier ones back from the bfloat16 pool.
     llm = LLM(jax_default_model, quantization="int8", kv_cache_dtype="bfloat16", block_size=64, **kw)
     engine = llm.llm_engine
-    assert engine.model.params["layers"]["wqkv"]["q"].dtype == jnp.int8
+    assert engine.model.params["layers"]["wqkv"].values.dtype == jnp.int8
     assert engine.runner.kv[0].dtype == jnp.uint16  # bfloat16 bits, the CPU layout
     assert "tokens, bfloat16)" in engine.startup_report()  # the report names what the pool holds
     # Half the bytes a token: the same memory holds twice the tokens.
@@ -136,3 +137,28 @@ def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None
     text = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8),
                         use_tqdm=False)[0].outputs[0].text
     assert "Paris" in text
+
+
+def test_quantized_weights_shard_with_their_scales_under_tensor_parallelism() -> None:
+    """Two fake CPU devices in a subprocess (the device count is fixed once jax starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "tests.quant_tp_worker", "2"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    for scheme, r in out.items():
+        assert r["rel"] < 1e-5, (scheme, r)  # the same logits as on one device
+        # column-parallel wq: values and scales split on N; row-parallel wo: values split on K
+        assert r["wq_values"][-1] == r["wq_full"][-1] // 2 and r["wq_scales"][-1] == r["wq_values"][-1]
+        assert r["wo_values"][1] == r["wo_full"][1] // 2
+        assert "layers/wq/values" in r["summary"] and "layers/wq/scales" in r["summary"]  # the start-up table
+    assert out["w4a16"]["wo_scales"][1] == out["w4a16"]["wo_scales_full"][1] // 2  # whole groups per device
+    assert out["fp8"]["wo_scales"] == out["fp8"]["wo_scales_full"]  # per channel: whole on each device

@@ -1,0 +1,107 @@
+"""Which quantization a checkpoint uses: config.json's `quantization_config`, as vLLM reads it.
+
+    quant_method          what is read (per Linear, HF orientation [out, in])
+    awq                   AutoAWQ GEMM: qweight i32 [in, out/8], qzeros i32 [groups, out/8], scales [groups, out]
+    gptq                  AutoGPTQ / GPTQModel: qweight i32 [in*bits/32, out], qzeros i32 [groups, out*bits/32],
+                          scales [groups, out], g_idx [in] (desc_act); 4 or 8 bits, sym or not
+    compressed-tensors    llm-compressor: pack-quantized (W4A16: weight_packed, weight_scale,
+                          weight_zero_point), int-quantized (W8A8 int8), float-quantized (FP8, dynamic or
+                          static input_scale)
+    fp8                   vLLM's fp8 checkpoints: weight e4m3 [out, in], weight_scale, input_scale (static)
+
+`--quantization` (EngineArgs.quantization) forces or checks the method: given with a
+quantized checkpoint it must name the checkpoint's method; given with a float
+checkpoint it must be a quantize-on-load method (int8, fp8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
+ON_LOAD_METHODS = ("int8", "fp8")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One checkpoint's weight format, normalised."""
+    method: str  # one of CHECKPOINT_METHODS
+    scheme: str  # the QuantizedWeight scheme it loads into: w4a16, w8a16, int8, fp8
+    bits: int = 4
+    group_size: int = -1  # -1: one group over the whole input (per channel)
+    symmetric: bool = True
+    desc_act: bool = False  # GPTQ act-order: a g_idx per layer
+    zeros_offset: int = 0  # GPTQ v1 stores zero - 1
+    static_input: bool = False  # fp8 / int8: a checkpoint input_scale instead of per-token scales
+    ct_format: str = ""  # compressed-tensors: pack-quantized, int-quantized, float-quantized
+
+
+def _unsupported(method: object) -> ValueError:
+    return ValueError(f"quantization: method {method!r} is not supported; supported checkpoint methods: "
+                      f"{', '.join(CHECKPOINT_METHODS)}; applied at load: {', '.join(ON_LOAD_METHODS)}")
+
+
+def detect(hf_config: dict, requested: str | None) -> QuantSpec | None:
+    """The checkpoint's QuantSpec (None: a float checkpoint), checked against `requested`."""
+    qc = hf_config.get("quantization_config") or hf_config.get("compression_config")
+    if not qc:
+        if requested is not None and requested not in ON_LOAD_METHODS:
+            raise ValueError(f"quantization: {requested!r} needs a checkpoint quantized with it (config.json "
+                             f"has no quantization_config); a float checkpoint takes {', '.join(ON_LOAD_METHODS)}")
+        return None
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    if method not in CHECKPOINT_METHODS:
+        raise _unsupported(qc.get("quant_method"))
+    if requested is not None and requested != method:
+        raise ValueError(f"quantization: {requested!r} was asked for but the checkpoint is quantized with "
+                         f"{method!r} (config.json quantization_config)")
+    return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}[method](qc)
+
+
+def _awq(qc: dict) -> QuantSpec:
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm" or qc.get("bits", qc.get("w_bit", 4)) != 4:
+        raise ValueError(f"quantization_config: AWQ {version} with {qc.get('bits')} bits; only 4-bit GEMM is supported")
+    return QuantSpec("awq", "w4a16", 4, int(qc.get("group_size", qc.get("q_group_size", 128))),
+                     symmetric=not qc.get("zero_point", True))
+
+
+def _gptq(qc: dict) -> QuantSpec:
+    bits = int(qc.get("bits", 4))
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config.bits: GPTQ with {bits} bits; supported: 4, 8")
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config.checkpoint_format {fmt!r}: supported gptq, gptq_v2")
+    return QuantSpec("gptq", "w4a16" if bits == 4 else "w8a16", bits, int(qc.get("group_size", 128)),
+                     bool(qc.get("sym", True)), bool(qc.get("desc_act", False)), 1 if fmt == "gptq" else 0)
+
+
+def _compressed_tensors(qc: dict) -> QuantSpec:
+    groups = qc.get("config_groups") or {}
+    if len(groups) != 1:
+        raise ValueError(f"quantization_config.config_groups: {len(groups)} groups; one scheme for all "
+                         "Linear layers is supported")
+    scheme = next(iter(groups.values()))
+    w, act = scheme.get("weights") or {}, scheme.get("input_activations")
+    fmt = str(scheme.get("format") or qc.get("format", ""))
+    bits, kind, strategy = int(w.get("num_bits", 8)), w.get("type", "int"), w.get("strategy", "channel")
+    if fmt == "pack-quantized" and kind == "int" and act is None and bits in (4, 8):
+        size = int(w["group_size"]) if strategy == "group" else -1
+        return QuantSpec("compressed-tensors", "w4a16" if bits == 4 else "w8a16", bits, size,
+                         bool(w.get("symmetric", True)), ct_format=fmt)
+    static = act is not None and not act.get("dynamic", True)
+    if fmt == "int-quantized" and kind == "int" and bits == 8 and act is not None:
+        return QuantSpec("compressed-tensors", "int8", 8, static_input=static, ct_format=fmt)
+    if fmt == "float-quantized" and kind == "float" and bits == 8 and strategy in ("channel", "tensor"):
+        return QuantSpec("compressed-tensors", "fp8", 8, static_input=static, ct_format=fmt)
+    raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} with {kind}{bits} weights "
+                     f"({strategy}) is not supported; supported: pack-quantized W4A16/W8A16, "
+                     "int-quantized W8A8 int8, float-quantized FP8 (per channel or tensor)")
+
+
+def _fp8(qc: dict) -> QuantSpec:
+    if qc.get("weight_block_size"):
+        raise ValueError("quantization_config.weight_block_size: block-wise fp8 is not supported "
+                         "(per-tensor and per-channel fp8 are)")
+    return QuantSpec("fp8", "fp8", 8, static_input=qc.get("activation_scheme", "dynamic") == "static")

@@ -1,0 +1,88 @@
+"""`matmul(x, w)`: the one entry the model calls for every weight, float or quantized.
+
+The path is picked here, never in the model (DESIGN.md rule 9):
+
+    float weight           x @ w
+    int8  (W8A8)           per-token int8 x, int8 x int8 dot, int32 accumulate, rescale
+    fp8   (W8A8)           x scaled to float8_e4m3fn (per token, or the checkpoint's static
+                           per-tensor scale), an f8 x f8 dot in XLA with float32 accumulation
+                           (cuBLASLt's fp8 GEMM on Hopper), rescaled by both scales
+    w4a16 / w8a16          GPU and M <= DECODE_MAX_ROWS: the Pallas (Triton) dequantizing
+                           kernel `pallas_kernels.w4a16_matmul` (4-bit); otherwise XLA:
+                           dequantize to x's dtype in the program, then a float dot
+
+Why int8 on the CPU quantizes both operands: XLA:CPU does not fuse an int8 -> float
+convert into its dot, so int8 weights with float activations would be converted in
+memory every step; an int8 x int8 dot is native and ~1.6x faster than float32 here
+(BENCHMARKS.md). llama.cpp does the same with its Q8 activations.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.quantization.calibrate import Observed, observe
+from jaxserve.quantization.qweight import FP8_MAX, QuantizedWeight, dequantize
+
+DECODE_MAX_ROWS = 64  # the Pallas W4A16 kernel's range; larger M is compute-bound: XLA's dot
+
+
+def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x.dtype."""
+    if isinstance(w, Observed):  # calibration: report x's statistics, then the float product
+        observe(x, w)
+        return x @ w.weight
+    if not isinstance(w, QuantizedWeight):
+        return x @ w
+    if w.scheme == "int8":
+        return _int8(x, w)
+    if w.scheme == "fp8":
+        return _fp8(x, w)
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    rows = x.size // x.shape[-1]
+    xla = lambda x: x @ dequantize(w, x.dtype)  # noqa: E731
+    if not _kernel_fits(w, rows):
+        return xla(x)
+
+    def kernel(x: jax.Array) -> jax.Array:
+        from pallas_kernels.w4a16_matmul import w4a16_matmul
+
+        out = w4a16_matmul(x.reshape(rows, -1), w.values, w.scales, w.zeros, group_size=w.group_size)
+        return out.reshape(*x.shape[:-1], -1)
+
+    # Chosen when the program is lowered, for the platform it is lowered for: an export for
+    # cuda from a CPU host gets the kernel, a CPU run the XLA dot.
+    return jax.lax.platform_dependent(x, cuda=kernel, default=xla)
+
+
+def _kernel_fits(w: QuantizedWeight, rows: int) -> bool:
+    from pallas_kernels.w4a16_matmul import supported
+
+    return (w.scheme == "w4a16" and rows <= DECODE_MAX_ROWS and w.values.ndim == 2
+            and supported(w.shape[-2], w.shape[-1], w.group_size))
+
+
+def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
+    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=acc)
+
+
+def _int8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    xq = jnp.round(xf * (127.0 / jnp.where(amax > 0, amax, 1.0))).astype(jnp.int8)  # |xq| <= 127
+    acc = _dot(xq, w.values, jnp.int32)
+    return (acc.astype(jnp.float32) * (amax / 127.0) * w.scales[0]).astype(x.dtype)
+
+
+def _fp8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    xf = x.astype(jnp.float32)
+    if w.input_scale is None:  # dynamic, one scale per token
+        amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+        x_scale = jnp.where(amax > 0, amax, 1.0) / FP8_MAX
+    else:
+        x_scale = w.input_scale.astype(jnp.float32)
+    xq = jnp.clip(xf / x_scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    acc = _dot(xq, w.values, jnp.float32)
+    return (acc * x_scale * w.scales[0]).astype(x.dtype)

@@ -1,0 +1,53 @@
+"""Tensor-parallel PartitionSpecs for quantized weights: the scales shard with their weights.
+
+The float plan (jaxserve.parallel.specs) gives each [L, in, out] weight one spec:
+column-parallel P(None, None, "model") or row-parallel P(None, "model", None). A
+QuantizedWeight expands it field by field:
+
+    values [L, K', N]        the weight's spec (4-bit K' = K / 2: a row split cuts whole groups)
+    scales, zeros [L, G, N]  column: split N like the values; row: split the groups G
+                             (per channel, G = 1: whole on every device)
+    perm [L, K], input_scale replicated (x is replicated when it is gathered by perm)
+
+A row split needs G divisible by the axis (each device holds whole groups); otherwise
+the weight is replicated.
+"""
+
+from __future__ import annotations
+
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.quantization.qweight import QuantizedWeight
+
+
+def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeight:
+    """A QuantizedWeight of PartitionSpecs (None where the field is None) for a weight planned as `spec`."""
+    dims = tuple(spec) + (None,) * (3 - len(tuple(spec)))
+    num_groups = w.scales.shape[-2]
+    if dims[1] is not None and num_groups > 1 and num_groups % axis_size:  # groups would be cut
+        dims = (None, None, None)
+    values = P(*dims)
+    if dims[1] is not None:  # row-parallel: per-channel scales are whole on every device
+        scales = P(None, dims[1] if num_groups > 1 else None, None)
+    else:
+        scales = P(*dims)
+    return QuantizedWeight(values, scales, None if w.zeros is None else scales, None if w.perm is None else P(),
+                           None if w.input_scale is None else P(), w.scheme, w.group_size)
+
+
+def expand_specs(specs: dict, params: dict, axis_size: int) -> dict:
+    """The float plan's spec tree with each quantized leaf of `params` expanded (`quantized_spec`).
+    Leaves of `params` missing from the plan (the int8 layout's fused ones) are replicated."""
+    def expand(spec_node, param_node):
+        if isinstance(param_node, QuantizedWeight):
+            return quantized_spec(spec_node if isinstance(spec_node, P) else P(), param_node, axis_size)
+        if isinstance(param_node, dict):
+            return {k: expand(spec_node.get(k, P()) if isinstance(spec_node, dict) else P(), v)
+                    for k, v in param_node.items()}
+        return spec_node if isinstance(spec_node, P) else P()
+
+    return expand(specs, params)
+
+
+def is_spec(x: object) -> bool:
+    return isinstance(x, P)

@@ -1,0 +1,61 @@
+"""Run with several fake CPU devices (tests/test_quantization.py starts it): quantized weights
+(4-bit act-order GPTQ-style, fp8) sharded for tensor parallelism give the single-device logits."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import parallel
+from jaxserve.models.config import ModelConfig
+from jaxserve.quantization.qweight import pack_int, stack
+from jaxserve.quantization.quantize import LINEAR_LEAVES, quantize_weight
+from tests.paged_helpers import paged_logits
+from tests.parallel_worker import BASE, FAMILIES, random_params
+
+PROMPTS, CONTINUATIONS = [[5, 17, 99, 3, 42], [8, 1, 60]], [[11, 12], [200, 201]]
+
+
+def _w4(w: np.ndarray, rng) -> object:
+    """[L, K, N] float -> a 4-bit QuantizedWeight (group 16, act order) with leading L."""
+    layers = []
+    for wl in w:
+        k, n = wl.shape
+        g_idx = (np.arange(k) // 16)[rng.permutation(k)]
+        scales = np.full((k // 16, n), np.abs(wl).max() / 7, np.float32)
+        q = np.clip(np.round(wl / scales[g_idx]) + 8, 0, 15)
+        layers.append(pack_int(q, scales, np.full(scales.shape, 8), g_idx, 4, jnp.float32))
+    return jax.tree.map(jnp.asarray, stack(layers))
+
+
+def main(tp: int) -> None:
+    cfg = ModelConfig(**{**BASE, **FAMILIES["llama_gqa"]})
+    host = random_params(cfg, seed=3)
+    rng = np.random.default_rng(0)
+    out = {}
+    for scheme in ("w4a16", "fp8"):
+        layers = {k: (_w4(np.asarray(v), rng) if scheme == "w4a16" else quantize_weight(jnp.asarray(v), "fp8"))
+                  if k in LINEAR_LEAVES else jnp.asarray(v) for k, v in host["layers"].items()}
+        params = {**jax.tree.map(jnp.asarray, host), "layers": layers}
+        want = paged_logits(params, cfg, PROMPTS, CONTINUATIONS)
+        mesh = parallel.make_mesh(tp, 1)
+        sharded = parallel.shard_params(params, mesh, cfg)
+        summary = parallel.sharding_summary(mesh, cfg, sharded)
+        got = paged_logits(sharded, cfg, PROMPTS, CONTINUATIONS)
+        rel = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
+        wq, wo = sharded["layers"]["wq"], sharded["layers"]["wo"]
+        out[scheme] = {"rel": rel, "wq_values": list(wq.values.addressable_shards[0].data.shape),
+                       "wq_scales": list(wq.scales.addressable_shards[0].data.shape),
+                       "wo_values": list(wo.values.addressable_shards[0].data.shape),
+                       "wo_scales": list(wo.scales.addressable_shards[0].data.shape),
+                       "wq_full": list(wq.values.shape), "wo_full": list(wo.values.shape),
+                       "wo_scales_full": list(wo.scales.shape), "summary": summary}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
