@@ -116,7 +116,7 @@ def test_uneven_stages_put_the_extra_layers_in_the_middle():
 @pytest.mark.parametrize("quant", [None, "int8"])
 def test_weight_bytes_equal_the_loaded_arrays(quant):
     from tests.parallel_worker import BASE, FAMILIES, random_params
-    from jaxserve.models.quant import quantize_params
+    from jaxserve.quantization.quantize import quantize_params
 
     for extra in FAMILIES.values():
         cfg = ModelConfig(**{**BASE, **extra})

@@ -48,7 +48,7 @@ class QuantScheme:
 
 
 QUANT_SCHEMES: dict[str, QuantScheme] = {
-    "int8": QuantScheme(8, 0, 4, 0, lm_head=True),  # jaxserve's W8A8 (models/quant.py): f32 per-channel scale
+    "int8": QuantScheme(8, 0, 4, 0, lm_head=True),  # jaxserve's W8A8 (jaxserve/quantization): f32 per-channel scale
     "fp8": QuantScheme(8, 0, 4, 0, lm_head=False),  # e4m3 per output channel, as vLLM's fp8
     "awq": QuantScheme(4, 128, 2, 4, lm_head=False),  # AutoAWQ GEMM: packed int4, fp16 scales, int4 zeros
     "gptq": QuantScheme(4, 128, 2, 4, lm_head=False),  # AutoGPTQ 4-bit, group 128
