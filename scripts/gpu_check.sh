@@ -118,6 +118,10 @@ stage step8b 90 "$PYTHON" scripts/gpu_step.py $STEP --backend $PALLAS
 [ -f scripts/gpu_quant.py ] && stage quant 60 "$PYTHON" scripts/gpu_quant.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 # (e) restart on the same cache, the other scheduling mode, then (f)
 stage llama8b_restart 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W2 --num-compare 0 --no-async-scheduling
+# FP8 weights (quantized on load, e4m3 per output channel, dynamic per-token activations) on the 1,000 requests
+W3=sharegpt1000; [ "$SMOKE" = 1 ] && W3=custom
+stage llama8b_fp8 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W3 --num-compare 0 --async-scheduling \
+  --quantization fp8
 # (d) the kernels alone
 stage kernels 60 "$PYTHON" scripts/gpu_check.py $KERN
 # Where a step's time goes, host phases vs device (same engine shape and cache as llama8b: no compiles)

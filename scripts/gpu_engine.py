@@ -129,6 +129,8 @@ def engine_kwargs(args) -> dict:
               enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir)
     if args.num_gpu_blocks:
         kw["num_gpu_blocks_override"] = args.num_gpu_blocks
+    if args.quantization:  # quantize-on-load of the random float weights (fp8: e4m3 per channel)
+        kw["quantization"] = args.quantization
     if args.async_scheduling is not None:
         if "async_scheduling" in EngineArgs.field_names():
             kw["async_scheduling"] = args.async_scheduling
@@ -159,7 +161,7 @@ def run(args) -> list[dict]:
     print(f"engine ready in {time.perf_counter() - t0:.1f} s: warm-up {eng.warmup_seconds:.1f} s "
           f"[{times.brief()}], {eng.num_gpu_blocks} KV blocks", flush=True)
     vocab = model.config.vocab_size
-    common = dict(model=args.model, backend=kw["attention_backend"], dtype=args.dtype,
+    common = dict(model=args.model, backend=kw["attention_backend"], dtype=args.dtype, quantization=args.quantization,
                   device=jax.devices()[0].device_kind, jax=jax.__version__, init_weights_s=round(init_s, 1),
                   warmup_s=round(eng.warmup_seconds, 1), warmup_compile=dict(times.secs),
                   num_gpu_blocks=eng.num_gpu_blocks, max_num_seqs=args.max_num_seqs,
@@ -227,7 +229,8 @@ def brief(res: dict) -> str:
     if "compare" in res:
         return (f"greedy sequences identical {res['identical']}/{res['of']}, first divergence at token "
                 f"{res['first_divergence_median']} (median) of {res['tokens_per_sequence_median']}")
-    head = (f"{res['model']} {res['dtype']} {res['backend']} {res['workload']}"
+    head = (f"{res['model']} {res['dtype']}{' ' + res['quantization'] if res.get('quantization') else ''} "
+            f"{res['backend']} {res['workload']}"
             + ("" if res.get("async_scheduling") is None else f" async={res['async_scheduling']}") + ": ")
     c = res["warmup_compile"]
     tail = (f"; warm-up {res['warmup_s']} s (compile {c['compile']:.1f} s, trace+lower {c['trace'] + c['lower']:.1f} s, "
@@ -250,6 +253,7 @@ def main() -> int:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="passed to the engine when it has the argument (default: the engine's default)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", default=None, help="e.g. fp8: the weights quantized on load")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-median", type=float, default=128)
     p.add_argument("--output-median", type=float, default=128)
