@@ -70,6 +70,9 @@ stage() {  # stage NAME LIMIT_S CMD...: every BRIEF line of its log goes to the 
   [ "$rc" = 124 ] && briefs="${briefs:+$briefs$'\n'}TIMED OUT at ${limit}s; last: $(grep -v '^\s*$' "$LOGS/$name.log" | tail -n 1 | cut -c1-200)"
   [ -z "$briefs" ] && briefs=$(grep -h -E "ALL PASS|SOME CHECKS FAILED|Error|error" "$LOGS/$name.log" | tail -n 1 | cut -c1-300)
   while IFS= read -r line; do SUMMARY+=("$name: rc=$rc $((SECONDS - t0))s $line"); done <<< "$briefs"
+  # As it goes, so a run cut short by the device's own limit still brings back what it measured.
+  printf '%s\n' "${SUMMARY[@]}" >"$OUT/summary.txt"
+  for f in "$LOGS"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt"
 }
 
 E="$PYTHON scripts/gpu_engine.py --compilation-cache-dir $CACHE"

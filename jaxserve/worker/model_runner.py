@@ -227,6 +227,10 @@ class ModelRunner:
             # a restart loading them from the persistent cache skips about 4 s of empty steps.
             smallest = self._empty_batch(self.token_buckets[0])
             self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows, self._prev_tokens)
+            # Serving feeds the model step the sampler's ids, placed as the sampler leaves them (on a
+            # replica's mesh, not the default device): compile every model program for that input.
+            _, self._prev_tokens = self._sample_step(self.params, hidden, self._input(variants[0][1]))
+            self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows, self._prev_tokens)
             _gather_rows(full, q_rows)
             bar.update(1)
             for t, decode in programs:  # decode: a decode-only step's program (Pallas: the decode kernel)
