@@ -35,7 +35,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
-from jaxserve.core.spec_decode import propose_ngram
+from jaxserve.core.spec_decode import draft_budget, propose_drafts
 from jaxserve.core.structured_output import StructuredOutputManager
 
 __all__ = ["ModelOutput", "RequestUpdate", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
@@ -179,7 +179,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         """Returns True if anything was preempted."""
         budget = self.config.max_num_batched_tokens
-        drafts_left = self._draft_budget()
+        others = len(self.waiting) + len(self.swapped) + sum(len(c) for c in self.pending_forks.values())
+        drafts_left = draft_budget(self.config.speculative, self.config.max_num_seqs, len(self.running), others)
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
@@ -187,7 +188,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = self._drafts(req, num_new, min(drafts_left, budget - num_new))
+            drafts = propose_drafts(self.config.speculative, req, num_new, min(drafts_left, budget - num_new),
+                                    self.config.max_model_len)
             if drafts and not self._room_for_drafts(req, num_new, len(drafts), len(self.running) - i - 1):
                 drafts = []
             copies = self.kv.allocate_slots(req.request_id, req.num_computed_tokens, num_new + len(drafts))
@@ -221,39 +223,12 @@ class Scheduler:
         return not (req.drafts_in_flight or params.needs_penalties or params.needs_token_mask
                     or req.num_tokens >= req.max_total_tokens(self.config.max_model_len))
 
-    def _draft_budget(self) -> int:
-        """Draft tokens this step may carry in all. Every scheduled request samples a row and a
-        step samples at most max_num_seqs rows, so drafts take only the rows no request can."""
-        spec = self.config.speculative
-        if spec is None:
-            return 0
-        num_running = len(self.running)
-        if spec.disable_by_batch_size is not None and num_running > spec.disable_by_batch_size:
-            return 0
-        others = len(self.waiting) + len(self.swapped) + sum(len(c) for c in self.pending_forks.values())
-        return max(0, self.config.max_num_seqs - num_running - others)
-
     def _room_for_drafts(self, req: Request, num_new: int, num_drafts: int, num_after: int) -> bool:
         """Drafts must not take blocks the running requests after this one may need this step
         (a new block each at most): a draft never causes a preemption."""
         end = req.num_computed_tokens + num_new
         extra = self.kv.blocks_needed(end + num_drafts) - self.kv.blocks_needed(end)
         return extra == 0 or self.kv.num_free_blocks - extra >= num_after
-
-    def _drafts(self, req: Request, num_new: int, limit: int) -> list[int]:
-        """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []."""
-        spec = self.config.speculative
-        if (spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1
-                or req.num_output_placeholders):
-            return []
-        if not req.sampling_params.greedy:
-            return []
-        # Never past the request's end: a step yields up to 1 + k tokens.
-        k = min(spec.num_speculative_tokens, limit,
-                req.max_total_tokens(self.config.max_model_len) - req.num_tokens - 1)
-        if k <= 0:
-            return []
-        return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:
         budget = self._budget_left(out)
@@ -414,15 +389,10 @@ class Scheduler:
         return self.requests.get(request_id)
 
     def stats(self) -> SchedulerStats:
+        counters = {name: getattr(self, name) for name in (
+            "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "spec_num_drafts", "spec_num_draft_tokens",
+            "spec_num_accepted_tokens", "num_prompt_tokens", "num_generation_tokens")}
         return SchedulerStats(
-            num_running=len(self.running),
+            num_running=len(self.running), num_swapped=len(self.swapped),
             num_waiting=len(self.waiting) + sum(len(c) for c in self.pending_forks.values()),
-            num_swapped=len(self.swapped),
-            kv_cache_usage=self.kv.usage,
-            cpu_cache_usage=self.kv.cpu_usage,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions, spec_num_drafts=self.spec_num_drafts,
-            spec_num_draft_tokens=self.spec_num_draft_tokens,
-            spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-            num_prompt_tokens=self.num_prompt_tokens, num_generation_tokens=self.num_generation_tokens)
+            kv_cache_usage=self.kv.usage, cpu_cache_usage=self.kv.cpu_usage, **counters)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass
 
+from jaxserve.core.request import Request
+
 SPECULATIVE_METHODS = ("ngram",)
 
 
@@ -102,3 +104,28 @@ def propose_ngram(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[
                 return _continuation(token_ids, at // 4 + n, k)
             end = at + len(pattern) - 1
     return []
+
+
+def draft_budget(spec: SpeculativeConfig | None, max_num_seqs: int, num_running: int, num_others: int) -> int:
+    """Draft tokens a step may carry in all. Every scheduled request samples a row and a step
+    samples at most max_num_seqs rows, so drafts take only the rows no request can
+    (`num_others`: requests waiting, swapped or waiting to fork)."""
+    if spec is None:
+        return 0
+    if spec.disable_by_batch_size is not None and num_running > spec.disable_by_batch_size:
+        return 0
+    return max(0, max_num_seqs - num_running - num_others)
+
+
+def propose_drafts(spec: SpeculativeConfig | None, req: Request, num_new: int, limit: int,
+                   max_model_len: int) -> list[int]:
+    """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []. Not
+    while a step of it is in flight (async scheduling: its last token is not known yet)."""
+    if (spec is None or limit <= 0 or num_new != 1 or req.num_tokens - req.num_computed_tokens != 1
+            or req.num_output_placeholders or not req.sampling_params.greedy):
+        return []
+    # Never past the request's end: a step yields up to 1 + k tokens.
+    k = min(spec.num_speculative_tokens, limit, req.max_total_tokens(max_model_len) - req.num_tokens - 1)
+    if k <= 0:
+        return []
+    return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
