@@ -1,5 +1,5 @@
 """The whole engine on a GPU with random weights: offline throughput, and greedy agreement
-between the Pallas and the reference (XLA) attention backends.
+between the Pallas and the XLA attention backends.
 
 Random weights because the lent GPU machine reaches no hub and its working tree is capped
 at 64 MiB (the default model's GGUF is 98 MB): throughput depends on shapes, not values.
@@ -7,7 +7,7 @@ Prompts are random token ids with the performance issue's log-normal lengths (me
 sigma 0.7, prompts clipped to 16-1024, outputs to 16-512), greedy, ignore_eos, all at t=0.
 
   python scripts/gpu_engine.py --model smollm2-135m --backend pallas --out /tmp/x
-  python scripts/gpu_engine.py --model tiny --backend reference --num-prompts 8   # CPU smoke
+  python scripts/gpu_engine.py --model tiny --backend xla --num-prompts 8   # CPU smoke
 Prints one JSON line (tagged RESULT) and, with --out, saves the output token ids for
 `--compare A.npz B.npz`.
 """
@@ -157,7 +157,7 @@ def brief(res: dict) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(SHAPES), default="smollm2-135m")
-    p.add_argument("--backend", choices=["pallas", "reference"], default="pallas")
+    p.add_argument("--backend", choices=["pallas", "xla"], default="pallas")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--input-median", type=float, default=128)

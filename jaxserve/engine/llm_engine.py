@@ -25,22 +25,19 @@ from jax.sharding import Mesh
 from jaxserve import parallel
 from jaxserve.engine import output_processor as op
 from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.config import EngineConfig
 from jaxserve.worker.kv_sizing import needs_profile, num_device_blocks
-from jaxserve.worker.model_runner import (ModelRunner, RunnerConfig, activation_bytes, kv_bytes_per_block,
-                                          num_compilations)
+from jaxserve.worker.model_runner import ModelRunner, activation_bytes, kv_bytes_per_block, num_compilations
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.scheduler_output import SchedulerConfig
-from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.engine.stats import EngineStats
-from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
+from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype
 from jaxserve.models.quant import calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model
 
 PromptType = str | list[int] | dict
-CPU_MAX_MODEL_LEN = 2048  # default cap on CPU, where long contexts are impractically slow
 
 
 class LLMEngine:
@@ -75,33 +72,12 @@ class LLMEngine:
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.model_name = args.served_model_name or self.model.name
-        self.max_model_len = args.max_model_len or min(
-            cfg.max_position_embeddings, CPU_MAX_MODEL_LEN if jax.default_backend() == "cpu" else 1 << 30)
-        max_tokens = args.max_num_batched_tokens or (min(512, self.max_model_len) if args.enable_chunked_prefill
-                                                     else self.max_model_len)
-        backend = resolve_backend(args.attention_backend)
-        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, backend)
-        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh)
-        # What one device holds: its shard of each weight.
-        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
-        min_blocks = -(-self.max_model_len // args.block_size)
-        runner_config = functools.partial(
-            RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend,
-            kv_cache_dtype=args.kv_cache_dtype)
-        self.activation_bytes = (activation_bytes(self.model, runner_config(num_blocks=min_blocks + 1))
-                                 if needs_profile(args) else 0)
-        self.num_gpu_blocks = num_device_blocks(args, per_block, weight_bytes, self.activation_bytes, min_blocks)
-        self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
-                               if args.preemption_mode == "swap" else 0)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-            preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks,
-            speculative=SpeculativeConfig.parse(args.speculative_config)))
-        self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
-                                                            num_cpu_blocks=self.num_cpu_blocks), mesh)
+        self.config = self._size_kv(EngineConfig.resolve(args, cfg.max_position_embeddings, jax.default_backend()),
+                                    mesh)
+        self.max_model_len = self.config.max_model_len
+        self.num_gpu_blocks, self.num_cpu_blocks = self.config.num_gpu_blocks, self.config.num_cpu_blocks
+        self.scheduler = Scheduler(self.config.scheduler_config())
+        self.runner = ModelRunner(self.model, self.config.runner_config(), mesh)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)
@@ -113,6 +89,20 @@ class LLMEngine:
         self._seeds: dict[str, int] = {}
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+
+    def _size_kv(self, config: EngineConfig, mesh: Mesh | None) -> EngineConfig:
+        """`config` with its KV pools sized: the device blocks from the memory left (after a profiling run
+        on an accelerator), the host swap blocks from swap_space."""
+        args = config.args
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model.params["embed"].dtype, config.attention_backend)
+        per_block = kv_bytes_per_block(self.model.config, args.block_size, kv_dtype, mesh)
+        # What one device holds: its shard of each weight.
+        weight_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(self.model.params))
+        self.activation_bytes = (activation_bytes(self.model, config.with_blocks(config.min_blocks + 1).runner_config())
+                                 if needs_profile(args) else 0)
+        num_gpu = num_device_blocks(args, per_block, weight_bytes, self.activation_bytes, config.min_blocks)
+        num_cpu = int(args.swap_space * (1 << 30)) // per_block if args.preemption_mode == "swap" else 0
+        return config.with_blocks(num_gpu, num_cpu)
 
     # ---- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

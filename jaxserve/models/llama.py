@@ -77,7 +77,7 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
 
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
             token_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-            backend: str = "reference") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+            backend: str = "xla") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """One ragged batch through the decoder.
 
     token_ids, positions: [num_tokens] i32. kv_cache: (K, V), each

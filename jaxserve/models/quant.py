@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.engine.args import QUANTIZATIONS
+from jaxserve.constants import QUANTIZATIONS
 from jaxserve.models.config import ModelConfig
 
 
