@@ -29,6 +29,8 @@ _PHRASES = {
     "float_type": "must be a number",
     "string_type": "must be a string",
     "dict_type": "must be a dict",
+    "list_type": "must be a list",
+    "string_too_short": "must be non-empty",
 }
 
 
@@ -37,7 +39,10 @@ class ConfigValueError(ValueError):
 
 
 def _describe(error: dict[str, Any], prefix: str) -> str:
-    name = prefix + ".".join(str(p) for p in error["loc"])
+    """"name must be ..., got X"; an item of a list or dict: "name (item K) must be ..."."""
+    name = prefix + str(error["loc"][0]) if error["loc"] else prefix.rstrip(".")
+    if len(error["loc"]) > 1:
+        name += f" (item {'.'.join(str(p) for p in error['loc'][1:])})"
     ctx = error.get("ctx") or {}
     if error["type"] == "value_error":  # a model validator's own ValueError: its message names the field
         return str(ctx.get("error", error["msg"]))
@@ -46,11 +51,11 @@ def _describe(error: dict[str, Any], prefix: str) -> str:
     return f"{name} {text}, got {error['input']!r}"
 
 
-def config_dataclass(prefix: str = "") -> Any:
-    """Decorator: `cls` as a frozen, strict pydantic dataclass raising ConfigValueError.
+def config_dataclass(prefix: str = "", frozen: bool = True) -> Any:
+    """Decorator: `cls` as a strict pydantic dataclass (frozen unless told) raising ConfigValueError.
     `prefix` goes before field names (e.g. "speculative_config.")."""
     def wrap(cls: T) -> T:
-        cls = pydantic.dataclasses.dataclass(frozen=True, config=ConfigDict(strict=True))(cls)
+        cls = pydantic.dataclasses.dataclass(frozen=frozen, config=ConfigDict(strict=True))(cls)
         init = cls.__init__
 
         @functools.wraps(init)
