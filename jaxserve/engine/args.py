@@ -54,7 +54,8 @@ class EngineArgs:
     # "" disables it.
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
     num_hosts: Positive = 1  # processes joined by jax.distributed; > 1: one tensor-parallel mesh over all of them
-    host_rank: Annotated[int, Field(ge=0)] | None = None  # this process's rank; None: from the cluster environment (SLURM, ...)
+    # This process's rank; None: from the cluster environment (SLURM, ...).
+    host_rank: Annotated[int, Field(ge=0)] | None = None
     coordinator: str | None = None  # ADDR:PORT of rank 0's coordinator; None: $JAX_COORDINATOR_ADDRESS
     # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": None} (spec_decode.py).
