@@ -1,154 +1,94 @@
-"""The `jaxserve` console script: a registry of subcommands.
+"""The `jaxserve` console script: argparse subcommands serve, bench, convert and plan.
 
-`serve` is built in. Others are plug-ins found by module name, so adding one
-means writing the module and one line in `PLUGINS`; nothing is imported until
-its subcommand is chosen (the CLI starts fast and a missing optional part only
-hides its subcommand). A plug-in module provides
-
-    main(args: argparse.Namespace) -> int | None
-    add_arguments(parser: argparse.ArgumentParser) -> None     # optional, or
-    add_parser(subparsers) -> None   # optional: argparse style; `set_defaults(func=...)` is honoured
-
-Without `add_arguments`, the plug-in gets its `default_args` below.
-Code can also add a subcommand directly with `register(Subcommand(...))`.
+Only the chosen subcommand's module is imported and its flags built (the others
+get a bare parser for the help listing), so `jaxserve --help` and `jaxserve bench
+serve` start without importing JAX. Each subcommand sets `func(args) -> int | None`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+
+Subparsers = argparse._SubParsersAction
 
 
-@dataclass(frozen=True)
-class Subcommand:
-    name: str
-    help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
-    run: Callable[[argparse.Namespace, argparse.ArgumentParser], int | None]
-
-
-@dataclass(frozen=True)
-class Plugin:
-    module: str
-    help: str
-    default_args: Callable[[argparse.ArgumentParser], None]
-
-
-def _convert_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL", help="source model (name or path)")
-    parser.add_argument("out", metavar="OUT", help="output directory")
-
-
-def _passthrough_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the subcommand")
-
-
-PLUGINS: dict[str, Plugin] = {
-    "convert": Plugin("jaxserve.weights.convert", "convert model weights (MODEL OUT)", _convert_args),
-    "bench": Plugin("jaxserve.bench", "benchmark a deployment or the engine", _passthrough_args),
-    "plan": Plugin("jaxserve.plan", "will a model fit these GPUs: memory, KV blocks, flags (no GPU needed)",
-                   _passthrough_args),
-}
-
-_REGISTRY: dict[str, Subcommand] = {}
-
-
-def register(command: Subcommand) -> None:
-    _REGISTRY[command.name] = command
-
-
-def _serve_args(parser: argparse.ArgumentParser) -> None:
+def _serve(sub: Subparsers, help_text: str) -> None:
     from jaxserve.entrypoints.cli_args import add_serve_args
 
+    parser = sub.add_parser("serve", help=help_text, description=help_text)
     add_serve_args(parser, positional_model=True)
 
+    def run(args: argparse.Namespace) -> int:
+        from jaxserve.entrypoints.openai.api_server import run_from_namespace
 
-def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from jaxserve.entrypoints.openai.api_server import run_from_namespace
+        return run_from_namespace(args, parser)
 
-    return run_from_namespace(args, parser)
-
-
-register(Subcommand("serve", "start the OpenAI-compatible server", _serve_args, _serve))
+    parser.set_defaults(func=run)
 
 
-def _module_exists(name: str) -> bool:
-    if name in sys.modules:
-        return True
+def _bench(sub: Subparsers, help_text: str) -> None:
+    from jaxserve import bench
+
+    bench.add_parser(sub)
+
+
+def _convert(sub: Subparsers, help_text: str) -> None:
+    from jaxserve.weights import convert
+
+    convert.add_parser(sub)
+
+
+def _plan(sub: Subparsers, help_text: str) -> None:
     try:
-        return importlib.util.find_spec(name) is not None
-    except ModuleNotFoundError:  # a parent package is missing
-        return False
+        plan = importlib.import_module("jaxserve.plan")
+    except ModuleNotFoundError as exc:
+        if exc.name != "jaxserve.plan":
+            raise
+        raise SystemExit("jaxserve plan: not available in this version (jaxserve/plan.py is missing)") from None
+    parser = sub.add_parser("plan", help=help_text, description=help_text)
+    plan.add_arguments(parser)
+    parser.set_defaults(func=plan.main)
 
 
-class _OneSubparser:
-    """Lets a plug-in written as `add_parser(subparsers)` fill in the parser built for it."""
-
-    def __init__(self, parser: argparse.ArgumentParser) -> None:
-        self._parser = parser
-
-    def add_parser(self, name: str, **kwargs: object) -> argparse.ArgumentParser:
-        if isinstance(kwargs.get("help"), str):
-            self._parser.description = str(kwargs["help"])
-        return self._parser
+# name -> (help, builder that adds the subcommand's parser with its flags and `func`)
+COMMANDS: dict[str, tuple[str, Callable[[Subparsers, str], None]]] = {
+    "serve": ("start the OpenAI-compatible server", _serve),
+    "bench": ("benchmark a deployment or the engine", _bench),
+    "convert": ("write an Orbax checkpoint of MODEL to OUT (loads faster)", _convert),
+    "plan": ("plan a deployment: which parallelism and flags fit the model and the devices", _plan),
+}
 
 
-def _plugin_command(name: str, plugin: Plugin) -> Subcommand:
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
-        module = importlib.import_module(plugin.module)
-        if hasattr(module, "add_arguments"):
-            module.add_arguments(parser)
-        elif hasattr(module, "add_parser"):
-            module.add_parser(_OneSubparser(parser))
+def build_parser(command: str | None) -> argparse.ArgumentParser:
+    """The top parser; only `command`'s subparser gets its flags (and imports its module)."""
+    top = argparse.ArgumentParser(prog="jaxserve", description="LLM inference server on JAX/XLA.")
+    top.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, build) in COMMANDS.items():
+        if name == command:
+            build(sub, help_text)
         else:
-            plugin.default_args(parser)
-
-    def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int | None:
-        func = getattr(args, "func", None) or importlib.import_module(plugin.module).main
-        return func(args)
-
-    return Subcommand(name, plugin.help, add_arguments, run)
-
-
-def available() -> dict[str, Subcommand]:
-    """Built-in subcommands plus the plug-ins whose module is installed."""
-    commands = dict(_REGISTRY)
-    for name, plugin in PLUGINS.items():
-        if name not in commands and _module_exists(plugin.module):
-            commands[name] = _plugin_command(name, plugin)
-    return commands
+            sub.add_parser(name, help=help_text)
+    return top
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = available()
-    top = argparse.ArgumentParser(prog="jaxserve", description="LLM inference server on JAX/XLA.")
-    top.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = top.add_subparsers(dest="command", metavar="COMMAND")
-    for command in commands.values():
-        sub.add_parser(command.name, help=command.help)
-    if not argv or argv[0] not in commands:
-        if argv and argv[0] in PLUGINS:
-            top.error(f"'{argv[0]}' is not available in this installation ({PLUGINS[argv[0]].module} is missing)")
-        ns = top.parse_args(argv)  # prints help / errors for unknown commands
-        if ns.version:
-            import jaxserve
+    top = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
+    args = top.parse_args(argv)
+    if args.version:
+        import jaxserve
 
-            print(jaxserve.__version__)
-            return 0
+        print(jaxserve.__version__)
+        return 0
+    func = getattr(args, "func", None)
+    if func is None:
         top.print_help()
         return 1
-    # Only the chosen subcommand's arguments are built: plug-ins are imported on demand.
-    command = commands[argv[0]]
-    parser = argparse.ArgumentParser(prog=f"jaxserve {command.name}", description=command.help)
-    command.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
-    args.command = command.name
-    result = command.run(args, parser)
+    result = func(args)
     return 0 if result is None else int(result)
 
 

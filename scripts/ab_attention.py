@@ -75,7 +75,7 @@ def attend_with(core):
 def make_step(attend):
     def step(params, kv, tokens, positions, md):
         attention.attend = attend  # read when tracing: each jitted step keeps its own
-        return llama.forward(params, CFG, kv, tokens, positions, md, "reference")
+        return llama.forward(params, CFG, kv, tokens, positions, md, "xla")
     return jax.jit(step, donate_argnums=1)
 
 
@@ -121,7 +121,7 @@ def main() -> None:
     if args.quantization:  # calibrated on fixed spread-out ids (no tokenizer)
         params = quantize_params(params, CFG, args.quantization, calibration_ids(None, CFG.vocab_size))
     kv = attention.make_kv_cache(CFG.num_layers, CFG.num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, CFG.head_dim,
-                                 attention.kv_pool_dtype(args.kv_cache_dtype, jnp.float32, "reference"))
+                                 attention.kv_pool_dtype(args.kv_cache_dtype, jnp.float32, "xla"))
     steps = {args.rev: make_step(attend_with(load_revision(args.rev))),
              "work tree": make_step(attend_with(reference_core))}
     ctx = np.clip(np.round(300 * np.exp(0.7 * rng.standard_normal(22))), 16, 1500).astype(int)

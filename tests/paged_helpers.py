@@ -27,7 +27,7 @@ def _metadata(seq_blocks, kv_lens, q_lens, slots, max_blocks):
 
 
 def paged_logits(params, cfg: ModelConfig, prompts: list[list[int]], continuations: list[list[int]],
-                 block_size: int = 4, num_blocks: int = 64, backend: str = "reference", kv_dtype=None):
+                 block_size: int = 4, num_blocks: int = 64, backend: str = "xla", kv_dtype=None):
     """Logits [seq][position] for the last prompt token and each teacher-forced continuation token.
 
     Blocks are handed out in a scrambled order (and block 0 holds garbage) so that a

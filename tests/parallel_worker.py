@@ -79,7 +79,7 @@ class PagedDriver:
 
     def _step(self, params, kv, batch):
         tokens, positions, md, last = batch
-        kv, hidden = llama.forward(params, self.cfg, kv, tokens, positions, md, "reference")
+        kv, hidden = llama.forward(params, self.cfg, kv, tokens, positions, md, "xla")
         return kv, llama.compute_logits(params, hidden[last])
 
     def run(self, new_tokens: list[list[int]]) -> np.ndarray:

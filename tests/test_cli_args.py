@@ -1,8 +1,9 @@
-"""Serve flags, --config YAML precedence, the presets in configs/, and the `jaxserve` subcommand registry."""
+"""Serve flags, --config YAML precedence, the presets in configs/, and the `jaxserve` subcommands."""
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -115,37 +116,56 @@ def test_serve_and_api_server_share_flags(monkeypatch: pytest.MonkeyPatch) -> No
         cli.main(["serve", "--max-num-seqs", "0"])
 
 
+def _fake_module(monkeypatch: pytest.MonkeyPatch, name: str, **attrs: object) -> None:
+    module = types.ModuleType(name)
+    for key, value in attrs.items():
+        setattr(module, key, value)
+    monkeypatch.setitem(sys.modules, name, module)
+
+
 def test_convert_dispatches_to_its_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[argparse.Namespace] = []
-    module = types.ModuleType("jaxserve.weights.convert")
-    module.main = lambda args: calls.append(args) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "jaxserve.weights.convert", module)
-    assert cli.main(["convert", "src-model", "out-dir"]) == 0
-    assert (calls[0].model, calls[0].out) == ("src-model", "out-dir")
-
-
-def test_plugin_with_argparse_style_add_parser(monkeypatch: pytest.MonkeyPatch) -> None:
-    module = types.ModuleType("jaxserve.weights.convert")
-
     def add_parser(sub: argparse._SubParsersAction) -> None:
         p = sub.add_parser("convert", help="convert")
         p.add_argument("model")
         p.add_argument("out")
         p.add_argument("--dtype", default="float32")
-        p.set_defaults(func=lambda args: 7 if args.dtype == "bfloat16" else 1)
+        p.set_defaults(func=lambda args: 7 if args.dtype == "bfloat16" else 0)
 
-    module.add_parser = add_parser  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "jaxserve.weights.convert", module)
+    _fake_module(monkeypatch, "jaxserve.weights.convert", add_parser=add_parser)
     assert cli.main(["convert", "a", "b", "--dtype", "bfloat16"]) == 7
+    assert cli.main(["convert", "a", "b"]) == 0
 
 
-def test_missing_plugin_and_unknown_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(cli.PLUGINS, "bench", cli.Plugin("jaxserve.no_such_module", "x", cli._passthrough_args))
-    with pytest.raises(SystemExit):
-        cli.main(["bench"])
+def test_plan_imports_its_module_when_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[argparse.Namespace] = []
+    _fake_module(monkeypatch, "jaxserve.plan", add_arguments=lambda p: p.add_argument("--devices", type=int),
+                 main=lambda args: seen.append(args) or 3)
+    assert cli.main(["plan", "--devices", "8"]) == 3 and seen[0].devices == 8
+
+
+def test_plan_without_its_module_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "jaxserve.plan", None)  # the import then fails as if the file were absent
+    with pytest.raises(SystemExit, match="plan.py is missing"):
+        cli.main(["plan"])
+
+
+def test_unknown_command_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["frobnicate"])
-    assert "serve" in cli.available()
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == __import__("jaxserve").__version__
+    assert cli.main([]) == 1
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in ("serve", "bench", "convert", "plan"))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "serve", "--help"], ["plan", "--help"]])
+def test_cli_imports_no_jax_until_a_command_needs_it(argv: list[str]) -> None:
+    code = ("import sys; from jaxserve import cli\n"
+            "try: cli.main(sys.argv[1:])\nexcept SystemExit: pass\n"
+            "sys.exit(1 if 'jax' in sys.modules else 0)")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_server_args_validation() -> None:

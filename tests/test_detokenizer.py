@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from jaxserve.engine import detokenizer
 from jaxserve.engine.detokenizer import IncrementalDetokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,6 +51,23 @@ def _load_tokenizer() -> PreTrainedTokenizerBase:
 @pytest.fixture(scope="module")
 def tokenizer() -> PreTrainedTokenizerBase:
     return _load_tokenizer()
+
+
+@pytest.fixture(autouse=True, params=["decode_stream", "window"])
+def decode_path(request: pytest.FixtureRequest, tokenizer: PreTrainedTokenizerBase,
+                monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both paths: tokenizers' DecodeStream (the fast tokenizer's) and the window fallback."""
+    if request.param == "window":
+        monkeypatch.setattr(detokenizer, "_stream_backend", lambda tok: None)
+    else:
+        assert detokenizer._stream_backend(tokenizer) is not None, "the GGUF tokenizer should be a fast one"
+    return request.param
+
+
+def test_path_in_use(tokenizer, decode_path):
+    detok = IncrementalDetokenizer(tokenizer, [1, 2])
+    assert (detok._stream is not None) == (decode_path == "decode_stream")
+    assert IncrementalDetokenizer(tokenizer, [], use_decode_stream=False)._stream is None
 
 
 def _stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> tuple[str, str | None]:

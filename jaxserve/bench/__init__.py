@@ -6,7 +6,7 @@
     batching    continuous vs static batching and paged vs reserved KV waste, one engine
     sweep       serve or throughput over a grid of one engine parameter: table, plots, advice
 
-A `jaxserve` CLI plug-in (see jaxserve/cli.py): `add_parser` fills in the `bench`
+A `jaxserve` subcommand (jaxserve/cli.py calls `add_parser` when `bench` is chosen): it fills in the `bench`
 parser, each subcommand sets `func`. Submodules load only when chosen, so
 `bench serve` starts without importing JAX.
 """

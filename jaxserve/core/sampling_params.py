@@ -1,16 +1,26 @@
 """Per-request sampling parameters, vLLM-compatible names and defaults.
 
-Validation happens once, in `__post_init__`, and every error is a `ValueError`
-whose message starts with the offending field's name, so the HTTP layer can
-turn it into an OpenAI-shaped 400 and a notebook user sees what to fix.
+A pydantic dataclass (strict: `1.0` is not an int, `True` not a number): each
+field's range is in its annotation, the checks that read several fields are in
+`_check_together`. Every error is a `ValueError` whose message starts with the
+offending field's name, so the HTTP layer can turn it into an OpenAI-shaped 400
+and a notebook user sees what to fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+
+from jaxserve.core.validation import config_dataclass
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 MAX_LOGPROBS = 20  # top-N logprobs computed on device; OpenAI caps `top_logprobs` at 20 too
+
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TopN = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 @dataclass
@@ -46,114 +56,80 @@ class StructuredOutputsParams:
         return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
-@dataclass
+
+@config_dataclass(frozen=False)
 class SamplingParams:
-    n: int = 1
-    best_of: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    min_p: float = 0.0
+    n: Annotated[int, Field(ge=1)] = 1
+    best_of: int | None = None  # None: n
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0  # 0 or -1: disabled
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=2.0)] = 1.0
+    stop: list[Annotated[str, Field(min_length=1)]] = field(default_factory=list)  # a string: one stop string
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = field(default_factory=list)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    logprobs: TopN | None = None
+    prompt_logprobs: TopN | None = None
     skip_special_tokens: bool = True
-    logit_bias: dict[int, float] | None = None
+    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
     use_beam_search: bool = False
-    beam_width: int | None = None
+    beam_width: Annotated[int, Field(ge=1)] | None = None  # None: best_of
     length_penalty: float = 1.0
     # Token-level constraints, applied on the device through one token bitmask per row
     # (core/structured_output.py fills it): only these ids may be sampled / never these words.
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    structured_outputs: StructuredOutputsParams | None = None
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: list[Annotated[str, Field(pattern=r"\S")]] | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
     # Filled by the engine, not the user: the model's end-of-sequence ids.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k == -1:
-            self.top_k = 0
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _as_list(cls, value: object) -> object:
+        """One stop string may be given bare; None means none."""
+        return [value] if isinstance(value, str) else ([] if value is None else value)
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _top_k_disabled(cls, value: object) -> object:
+        return 0 if value == -1 and not isinstance(value, bool) else value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, value: object) -> object:
+        """JSON object keys are strings: "123" -> 123, as OpenAI's API takes them."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias must map token ids to biases")
+        try:
+            return {int(k): float(v) for k, v in value.items()}
+        except (TypeError, ValueError):
+            raise ValueError("logit_bias must map token ids to biases") from None
+
+    @model_validator(mode="after")
+    def _check_together(self) -> "SamplingParams":
         if self.best_of is None:
             self.best_of = self.n
-        if self.use_beam_search and self.beam_width is None:
-            self.beam_width = self.best_of
-        self._validate()
-
-    def _validate(self) -> None:
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {msg}")
-
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        check(is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
-        check(is_int(self.best_of) and self.best_of >= self.n, "best_of",
-              f"must be an integer >= n ({self.n}), got {self.best_of!r}")
-        check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
-              "temperature", f"must be in [0, 100], got {self.temperature!r}")
-        check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
-              "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        check(is_int(self.top_k) and self.top_k >= 0, "top_k",
-              f"must be -1 (disabled) or a positive integer, got {self.top_k!r}")
-        check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0,
-              "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        check(self.seed is None or is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            check(isinstance(v, (int, float)) and -2.0 <= v <= 2.0, name, f"must be in [-2, 2], got {v!r}")
-        check(isinstance(self.repetition_penalty, (int, float)) and 0.0 < self.repetition_penalty <= 2.0,
-              "repetition_penalty", f"must be in (0, 2], got {self.repetition_penalty!r}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop",
-              "must be a non-empty string or a list of non-empty strings")
-        check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-              "must be a list of non-negative integers")
-        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
-              "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-              f"must be an integer >= 0, got {self.min_tokens!r}")
-        if self.max_tokens is not None:
-            check(self.min_tokens <= self.max_tokens, "min_tokens",
-                  f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            check(v is None or (is_int(v) and 0 <= v <= MAX_LOGPROBS), name,
-                  f"must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
-        if self.logit_bias is not None:
-            check(isinstance(self.logit_bias, dict), "logit_bias", "must map token ids to biases")
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-            check(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()), "logit_bias",
-                  "values must be in [-100, 100]")
+        if self.best_of < self.n:
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.use_beam_search:
-            check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
-                  f"must be an integer >= 1, got {self.beam_width!r}")
-            check(self.temperature == 0.0 or self.temperature == 1.0, "temperature",
-                  "is not used by beam search; leave it at 0 or 1")
-        check(isinstance(self.length_penalty, (int, float)), "length_penalty", "must be a number")
-        if self.allowed_token_ids is not None:
-            check(isinstance(self.allowed_token_ids, list) and len(self.allowed_token_ids) > 0
-                  and all(is_int(t) and t >= 0 for t in self.allowed_token_ids), "allowed_token_ids",
-                  "must be a non-empty list of non-negative token ids")
-        if self.bad_words is not None:
-            check(isinstance(self.bad_words, list) and all(isinstance(w, str) and w.strip() for w in self.bad_words),
-                  "bad_words", "must be a list of non-empty strings")
+            if self.beam_width is None:
+                self.beam_width = self.best_of
+            if self.temperature not in (0.0, 1.0):
+                raise ValueError("temperature is not used by beam search; leave it at 0 or 1")
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-              "structured_outputs", "must be a StructuredOutputsParams")
+        return self
 
     @property
     def needs_token_mask(self) -> bool:

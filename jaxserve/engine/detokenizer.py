@@ -20,6 +20,13 @@ final and never be taken back. Two things make a token's text not final yet:
    stops matching. When a stop string appears, the text is cut there (kept
    with include_stop_str_in_output) and nothing after it is emitted.
 
+Step 1 is what `tokenizers`' DecodeStream does natively: with a fast tokenizer
+(one backed by a `tokenizers.Tokenizer`, as every GGUF and HF-converted model's
+here) each id goes through `DecodeStream.step`, which returns None while a
+character is incomplete; the window above is the fallback for slow tokenizers
+and for those that post-process decoded text (clean_up_tokenization_spaces).
+Both keep the same window of ids, so `flush()` decodes the rest the same way.
+
 When a request ends for another reason (eos, max_tokens), call `flush()` for
 the held-back rest. Invariant: the concatenation of all deltas (plus the
 flush) equals `output_text`.
@@ -29,17 +36,32 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
+
+try:  # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the window path only
+    DecodeStream = None
 
 # Prompt tokens decoded in front of the first output token (vLLM uses 5 too).
 _INITIAL_PREFIX_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
+def _stream_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """The `tokenizers.Tokenizer` DecodeStream can drive, or None when decode() is more than its decoder."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if DecodeStream is None or not isinstance(backend, Tokenizer) \
+            or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: Sequence[int], *,
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, use_decode_stream: bool = True) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
@@ -54,6 +76,11 @@ class IncrementalDetokenizer:
             self._ids = []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._stream, self._backend = None, _stream_backend(tokenizer) if use_decode_stream else None
+        if self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+            for token_id in self._ids:  # the prompt's tail: leading-space context, its text dropped
+                self._stream.step(self._backend, token_id)
         self._num_fed = 0
         self._text = ""  # final output text (truncated at a stop string)
         self._num_emitted = 0  # chars of _text already returned as deltas
@@ -121,11 +148,22 @@ class IncrementalDetokenizer:
                                       skip_special_tokens=self._skip_special_tokens)
 
     def _decode_next(self) -> str:
-        """vLLM's window step: the text the last id completes, or "" while it is incomplete."""
+        """The text the last id completes, or "" while it is incomplete (DecodeStream, or vLLM's window)."""
+        if self._stream is not None:
+            text = self._stream.step(self._backend, self._ids[-1])
+            if not text:
+                return ""
+            self._advance_window()
+            return text
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, None)
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
             return ""
+        self._advance_window()
+        return new_text[len(prefix_text):]
+
+    def _advance_window(self) -> None:
+        """The ids up to the last one are emitted text: the window moves past them."""
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
         # Drop ids before the window so memory stays bounded on long outputs.
@@ -133,7 +171,6 @@ class IncrementalDetokenizer:
             del self._ids[:self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        return new_text[len(prefix_text):]
 
     def _check_stop(self, start: int) -> None:
         """Cut the text at a stop string ending in the text added since `start`.

@@ -28,16 +28,15 @@ from jax.sharding import Mesh
 from jaxserve import parallel
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.config import EngineConfig
 from jaxserve.worker import sizing
 from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
-from jaxserve.worker.model_runner import (ModelRunner, PendingStep, RunnerConfig, activation_bytes,
-                                          num_compilations)
+from jaxserve.worker.model_runner import ModelRunner, PendingStep, activation_bytes, num_compilations
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.scheduler_output import ModelOutput, SchedulerConfig, SchedulerOutput
-from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
@@ -89,41 +88,15 @@ class LLMEngine:
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.model_name = args.served_model_name or self.model.name
-        self.max_model_len = args.max_model_len or sizing.default_max_model_len(
-            cfg.max_position_embeddings, jax.default_backend() == "cpu")
-        max_tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(
-            self.max_model_len, args.enable_chunked_prefill)
-        backend = resolve_backend(args.attention_backend)
-        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model_dtype, backend)
-        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh, args.pipeline_parallel_size,
-                                       args.tensor_parallel_size)
-        # What one device holds: its shard of each weight (tests/test_plan.py checks it against the arrays).
-        tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
-        width = jnp.dtype(self.model_dtype).itemsize
-        self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
-                                                           args.quantization)
-        min_blocks = -(-self.max_model_len // args.block_size)
-        runner_config = functools.partial(
-            RunnerConfig, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len, backend=backend,
-            kv_cache_dtype=args.kv_cache_dtype)
-        self.activation_bytes = 0
-        if needs_profile(args):  # XLA's figure; the shared estimate when the backend gives none
-            self.activation_bytes = (self.pipeline is None and activation_bytes(
-                self.model, runner_config(num_blocks=min_blocks + 1))) or \
-                sizing.activation_bytes_estimate(cfg, max_tokens, args.max_num_seqs, width, tp)
-        self.num_gpu_blocks = num_device_blocks(args, per_block, self.weight_bytes, self.activation_bytes, min_blocks)
-        self.num_cpu_blocks = (int(args.swap_space * (1 << 30)) // per_block
-                               if args.preemption_mode == "swap" else 0)
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_blocks=self.num_gpu_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=max_tokens, max_model_len=self.max_model_len,
-            enable_chunked_prefill=args.enable_chunked_prefill, enable_prefix_caching=args.enable_prefix_caching,
-            preemption_mode=args.preemption_mode, num_cpu_blocks=self.num_cpu_blocks,
-            speculative=SpeculativeConfig.parse(args.speculative_config)),
-            StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids))
-        self.runner = ModelRunner(self.model, runner_config(num_blocks=self.num_gpu_blocks,
-                                                            num_cpu_blocks=self.num_cpu_blocks), mesh, self.pipeline)
+        config = EngineConfig.resolve(args, cfg.max_position_embeddings, jax.default_backend())
+        # (resolve_backend: the one hook tests use to run the Pallas kernels in interpret mode)
+        config = dataclasses.replace(config, attention_backend=resolve_backend(args.attention_backend))
+        self.config = self._size_kv(config, mesh)
+        self.max_model_len = self.config.max_model_len
+        self.num_gpu_blocks, self.num_cpu_blocks = self.config.num_gpu_blocks, self.config.num_cpu_blocks
+        self.scheduler = Scheduler(self.config.scheduler_config(),
+                                   StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids))
+        self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)
@@ -138,6 +111,29 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.async_scheduling = _use_async_scheduling(args)
         self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step on the device
+
+    def _size_kv(self, config: EngineConfig, mesh: Mesh | None) -> EngineConfig:
+        """`config` with its KV pools sized (worker/sizing.py's arithmetic, which `jaxserve plan` shares):
+        the device blocks from the memory left after the weights and the activation peak (XLA's
+        figure from a dry run on an accelerator, the shared estimate when it gives none), the host
+        swap blocks from swap_space."""
+        args, cfg = config.args, self.model.config
+        kv_dtype = kv_pool_dtype(args.kv_cache_dtype, self.model_dtype, config.attention_backend)
+        per_block = kv_bytes_per_block(cfg, args.block_size, kv_dtype, mesh, args.pipeline_parallel_size,
+                                       args.tensor_parallel_size)
+        # What one device holds: its shard of each weight (tests/test_plan.py checks it against the arrays).
+        tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
+        width = jnp.dtype(self.model_dtype).itemsize
+        self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
+                                                           args.quantization)
+        self.activation_bytes = 0
+        if needs_profile(args):
+            probe = config.with_blocks(config.min_blocks + 1).runner_config()
+            self.activation_bytes = (self.pipeline is None and activation_bytes(self.model, probe)) or \
+                sizing.activation_bytes_estimate(cfg, config.max_num_batched_tokens, args.max_num_seqs, width, tp)
+        num_gpu = num_device_blocks(args, per_block, self.weight_bytes, self.activation_bytes, config.min_blocks)
+        num_cpu = int(args.swap_space * (1 << 30)) // per_block if args.preemption_mode == "swap" else 0
+        return config.with_blocks(num_gpu, num_cpu)
 
     # ---- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -17,12 +17,11 @@ import json
 import types
 import typing
 from dataclasses import MISSING, dataclass, fields
-from typing import Union
+from typing import Literal, Union
 
 import yaml
 
-from jaxserve.engine.args import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
-                                  EngineArgs)
+from jaxserve.engine.args import EngineArgs
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ _HELP = {
                      "activations)"),
     "kv_cache_dtype": ("KV pool dtype; auto: the model's. bfloat16: half the bytes (not bit-exact); fp8 (= fp8_e4m3), "
                        "fp8_e5m2: a quarter of float32's, with the checkpoint's k/v scales when it has them"),
-    "attention_backend": "auto: Pallas kernels on GPU, the XLA reference on CPU",
+    "attention_backend": "auto: Pallas kernels on GPU, the XLA path on CPU (reference: old name of xla)",
     "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",
     "compilation_cache_dir": "JAX persistent compilation cache directory",
     "num_hosts": "processes (hosts) joined by jax.distributed into one tensor-parallel mesh; rank 0 serves HTTP",
@@ -92,26 +91,31 @@ _HELP = {
     "tool_call_parser": "the model's tool-call format for tool_choice auto",
     "reasoning_parser": "split the model's <think> part into message.reasoning",
 }
-_CHOICES = {"dtype": DTYPES, "quantization": QUANTIZATIONS, "kv_cache_dtype": KV_CACHE_DTYPES,
-            "preemption_mode": PREEMPTION_MODES,
-            "attention_backend": ATTENTION_BACKENDS,
-            "uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
-            "tool_call_parser": ("hermes", "llama3_json", "mistral"), "reasoning_parser": ("qwen3",)}
+# Flags whose values are a set: EngineArgs' `Literal` fields add theirs (_field_types).
+_CHOICES: dict[str, tuple] = {"uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
+                              "tool_call_parser": ("hermes", "llama3_json", "mistral"), "reasoning_parser": ("qwen3",)}
 
 
-def _base_type(annotation: object) -> type:
-    """`int | None` -> int; the flag's value type."""
+def _base_type(annotation: object) -> object:
+    """`int | None` -> int; the flag's value type (a `Literal[...]` stays as it is)."""
     if typing.get_origin(annotation) in (Union, types.UnionType):
         (base,) = [a for a in typing.get_args(annotation) if a is not type(None)]
         return base
-    return annotation  # type: ignore[return-value]  # a plain class
+    return annotation
 
 
 def _field_types(cls: type) -> dict[str, tuple[type, bool, object]]:
-    """name -> (value type, accepts None, default) for a config dataclass."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: (_base_type(hints[f.name]), type(None) in typing.get_args(hints[f.name]),
-                     None if f.default is MISSING else f.default) for f in fields(cls)}
+    """name -> (value type, accepts None, default) for a config dataclass; records `Literal` choices."""
+    hints = typing.get_type_hints(cls)  # Annotated[...] constraints stripped: pydantic checks them
+    specs = {}
+    for f in fields(cls):
+        base = _base_type(hints[f.name])
+        if typing.get_origin(base) is Literal:
+            _CHOICES[f.name] = typing.get_args(base)
+            base = type(_CHOICES[f.name][0])
+        specs[f.name] = (base, type(None) in typing.get_args(hints[f.name]),
+                         None if f.default is MISSING else f.default)
+    return specs
 
 
 ENGINE_FIELDS = _field_types(EngineArgs)

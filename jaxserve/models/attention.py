@@ -1,4 +1,4 @@
-"""Attention metadata for one step, and the backend switch between the Pallas kernels and the XLA reference."""
+"""Attention metadata for one step, and the backend switch between the Pallas kernels and the XLA path."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from jaxserve.constants import RESOLVED_BACKENDS, resolve_attention_backend
 from pallas_kernels.common import BF16_BITS
 
-BACKENDS = ("reference", "pallas")
+BACKENDS = RESOLVED_BACKENDS  # ("xla", "pallas")
 # The Pallas kernels in interpret mode (a CPU run of the kernels' own code), for tests only: not in
 # BACKENDS, so no user option reaches it; RunnerConfig(backend=PALLAS_INTERPRET) does.
 PALLAS_INTERPRET = "pallas-interpret"
@@ -33,12 +34,8 @@ class AttentionMetadata:
 
 
 def resolve_backend(name: str) -> str:
-    """`auto` picks the Pallas kernels on GPU and the XLA reference elsewhere."""
-    if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}")
-    return name
+    """`auto` picks the Pallas kernels on GPU and the XLA path elsewhere; `reference` is `xla`."""
+    return resolve_attention_backend(name, jax.default_backend())
 
 
 def write_kv(backend: str, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
@@ -89,11 +86,11 @@ def kv_values_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:
 
 
 def kv_pool_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype, backend: str) -> jnp.dtype:
-    """The KV pool's array dtype. A bfloat16 pool on the XLA reference path holds its uint16 bits
+    """The KV pool's array dtype. A bfloat16 pool on the XLA path holds its uint16 bits
     (BF16_BITS): XLA:CPU would widen a bfloat16 pool to float32 around every gather and scatter;
-    the reference attention widens what it gathers instead."""
+    the XLA attention widens what it gathers instead."""
     dtype = kv_values_dtype(kv_cache_dtype, model_dtype)
-    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and backend == "reference" else dtype
+    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and backend == "xla" else dtype
 
 
 def make_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,

@@ -84,7 +84,7 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
 
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
             token_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-            backend: str = "reference") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+            backend: str = "xla") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """One ragged batch through the decoder.
 
     token_ids, positions: [num_tokens] i32. kv_cache: (K, V), each
@@ -99,7 +99,7 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
 
 def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], h: jax.Array,
                positions: jax.Array, md: AttentionMetadata,
-               backend: str = "reference") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+               backend: str = "xla") -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """The residual stream h [T, hidden] through the stacked `layers` (leading axis n) and their
     cache (K, V each [n, ...]); a pipeline stage calls it with its own slice of both."""
     inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)

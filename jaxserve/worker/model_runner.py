@@ -48,7 +48,7 @@ class RunnerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
-    backend: str = "reference"
+    backend: str = "xla"
     num_cpu_blocks: int = 0
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
 

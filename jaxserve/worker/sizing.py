@@ -19,12 +19,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from jaxserve.constants import CPU_MAX_MODEL_LEN
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
-CPU_MAX_MODEL_LEN = 2048  # default context cap on CPU, where long contexts are impractically slow
+CHUNKED_PREFILL_TOKENS = 512  # a step's token budget with chunked prefill, unless the flag says otherwise
 # Above this --gpu-memory-utilization the engine refuses: the CUDA context, XLA's own buffers and the
 # allocator's fragmentation need the rest, and a server sized to 0.98 dies of OOM at its first long batch.
 MAX_GPU_MEMORY_UTILIZATION = 0.95
@@ -163,7 +164,7 @@ def default_max_model_len(max_position_embeddings: int, on_cpu: bool) -> int:
 
 
 def default_max_num_batched_tokens(max_model_len: int, enable_chunked_prefill: bool = True) -> int:
-    return min(512, max_model_len) if enable_chunked_prefill else max_model_len
+    return min(CHUNKED_PREFILL_TOKENS, max_model_len) if enable_chunked_prefill else max_model_len
 
 
 def check_gpu_memory_utilization(value: float) -> None:

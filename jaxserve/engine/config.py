@@ -1,0 +1,72 @@
+"""EngineConfig: `EngineArgs` resolved once, and the scheduler's and the runner's parts derived from it.
+
+Every value the engine derives from the flags is computed here, in one place,
+and returned (nothing is written back into EngineArgs):
+
+    EngineConfig.resolve(args, max_position_embeddings, platform)
+        max_model_len           the flag, or the model's context capped at CPU_MAX_MODEL_LEN on CPU
+        max_num_batched_tokens  the flag, or min(512, max_model_len) with chunked prefill, else max_model_len
+                                (both defaults from worker/sizing.py, shared with `jaxserve plan`)
+        attention_backend       auto/reference resolved to xla or pallas
+        speculative             the speculative_config dict parsed
+    config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
+    config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from jaxserve.constants import resolve_attention_backend
+from jaxserve.core.scheduler_output import SchedulerConfig
+from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.engine.args import EngineArgs
+from jaxserve.worker import sizing
+from jaxserve.worker.sizing import CHUNKED_PREFILL_TOKENS  # noqa: F401  (re-exported: the default's name)
+from jaxserve.worker.model_runner import RunnerConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    args: EngineArgs
+    max_model_len: int
+    max_num_batched_tokens: int
+    attention_backend: str  # "xla" or "pallas"
+    speculative: SpeculativeConfig | None = None
+    num_gpu_blocks: int = 0  # 0 until with_blocks(): the KV pool is sized after the model is loaded
+    num_cpu_blocks: int = 0  # the host swap pool (preemption_mode="swap")
+
+    @classmethod
+    def resolve(cls, args: EngineArgs, max_position_embeddings: int, platform: str) -> "EngineConfig":
+        """`platform`: jax.default_backend() ("cpu", "gpu", "tpu")."""
+        # worker/sizing.py's defaults: `jaxserve plan` sizes with the same ones
+        max_model_len = args.max_model_len or sizing.default_max_model_len(max_position_embeddings, platform == "cpu")
+        default_tokens = sizing.default_max_num_batched_tokens(max_model_len, args.enable_chunked_prefill)
+        return cls(args=args, max_model_len=max_model_len,
+                   max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
+                   attention_backend=resolve_attention_backend(args.attention_backend, platform),
+                   speculative=SpeculativeConfig.parse(args.speculative_config))
+
+    @property
+    def min_blocks(self) -> int:
+        """The blocks one request of max_model_len needs: the smallest usable pool."""
+        return -(-self.max_model_len // self.args.block_size)
+
+    def with_blocks(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
+        return dataclasses.replace(self, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    def scheduler_config(self) -> SchedulerConfig:
+        a = self.args
+        return SchedulerConfig(
+            num_blocks=self.num_gpu_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
+            preemption_mode=a.preemption_mode, num_cpu_blocks=self.num_cpu_blocks, speculative=self.speculative)
+
+    def runner_config(self) -> RunnerConfig:
+        a = self.args
+        return RunnerConfig(
+            num_blocks=self.num_gpu_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
+            backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=a.kv_cache_dtype)

@@ -1,0 +1,67 @@
+"""EngineConfig: the values derived from EngineArgs, computed once, and the parts derived from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxserve.constants import CPU_MAX_MODEL_LEN
+from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.config import CHUNKED_PREFILL_TOKENS, EngineConfig
+
+
+@pytest.mark.parametrize("platform, max_pos, want", [("cpu", 8192, CPU_MAX_MODEL_LEN), ("gpu", 8192, 8192),
+                                                     ("cpu", 1024, 1024)])
+def test_max_model_len_cap_only_on_cpu(platform: str, max_pos: int, want: int) -> None:
+    assert EngineConfig.resolve(EngineArgs(), max_pos, platform).max_model_len == want
+    assert EngineConfig.resolve(EngineArgs(max_model_len=4096), max_pos, platform).max_model_len == 4096
+
+
+def test_token_budget_default_follows_chunked_prefill() -> None:
+    assert EngineConfig.resolve(EngineArgs(), 8192, "gpu").max_num_batched_tokens == CHUNKED_PREFILL_TOKENS
+    whole = EngineConfig.resolve(EngineArgs(enable_chunked_prefill=False), 8192, "gpu")
+    assert whole.max_num_batched_tokens == 8192
+    assert EngineConfig.resolve(EngineArgs(max_num_batched_tokens=100), 8192, "gpu").max_num_batched_tokens == 100
+
+
+@pytest.mark.parametrize("flag, platform, want", [("auto", "cpu", "xla"), ("auto", "gpu", "pallas"),
+                                                  ("reference", "gpu", "xla"), ("xla", "gpu", "xla"),
+                                                  ("pallas", "cpu", "pallas")])
+def test_backend_resolved(flag: str, platform: str, want: str) -> None:
+    assert EngineConfig.resolve(EngineArgs(attention_backend=flag), 2048, platform).attention_backend == want
+
+
+def test_parts_derived_and_nothing_written_back() -> None:
+    args = EngineArgs(block_size=32, max_num_seqs=5, preemption_mode="swap", enable_prefix_caching=True,
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    config = EngineConfig.resolve(args, 1000, "cpu")
+    sized = config.with_blocks(num_gpu_blocks=77, num_cpu_blocks=9)
+    assert config.num_gpu_blocks == 0 and sized.args is args and args.max_model_len is None
+    sched, runner = sized.scheduler_config(), sized.runner_config()
+    assert (sched.num_blocks, sched.num_cpu_blocks, sched.block_size, sched.max_num_seqs) == (77, 9, 32, 5)
+    assert sched.enable_prefix_caching and sched.preemption_mode == "swap"
+    assert sched.speculative == SpeculativeConfig(num_speculative_tokens=2)
+    assert (runner.num_blocks, runner.num_cpu_blocks, runner.backend, runner.max_model_len) == (77, 9, "xla", 1000)
+    assert sched.max_num_batched_tokens == runner.max_num_batched_tokens == config.max_num_batched_tokens
+    assert config.min_blocks == -(-1000 // 32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_model_len = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_num_seqs=0), "^max_num_seqs must be >= 1, got 0"),
+    (dict(block_size=24), "^block_size must be one of"),
+    (dict(dtype="float8"), "^dtype must be one of"),
+    (dict(attention_backend="triton"), "^attention_backend must be one of"),
+    (dict(max_num_seqs=2.0), "^max_num_seqs must be an integer"),
+    (dict(gpu_memory_utilization=1.5), "^gpu_memory_utilization must be <= 1"),
+    (dict(quantization="int8", tensor_parallel_size=2), "^quantization runs on one device"),
+    (dict(host_rank=2, num_hosts=2), "^host_rank must be in"),
+    (dict(coordinator="host"), "^coordinator must be ADDR:PORT"),
+    (dict(speculative_config={"num_speculative_tokens": 0}), "^speculative_config.num_speculative_tokens"),
+])
+def test_engine_args_errors_name_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
