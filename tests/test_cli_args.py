@@ -159,7 +159,8 @@ def test_unknown_command_version_and_help(capsys: pytest.CaptureFixture[str]) ->
     assert all(name in listing for name in ("serve", "bench", "convert", "plan"))
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["bench", "serve", "--help"], ["plan", "--help"]])
+# (`plan` sizes with the model code's own parameter shapes, so it imports JAX as `serve` does.)
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "serve", "--help"]])
 def test_cli_imports_no_jax_until_a_command_needs_it(argv: list[str]) -> None:
     code = ("import sys; from jaxserve import cli\n"
             "try: cli.main(sys.argv[1:])\nexcept SystemExit: pass\n"

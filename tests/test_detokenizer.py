@@ -79,8 +79,9 @@ def _stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) ->
         delta, stop = detok.add_tokens(ids[i:i + n])
         deltas.append(delta)
         i += n
-    if stop is None:
+    if stop is None:  # a stop string held back with an incomplete character is found at the flush
         deltas.append(detok.flush())
+        stop = detok.stop_reason
     return "".join(deltas), stop
 
 
