@@ -17,21 +17,22 @@
 #   host_gap           scripts/bench_host_gap.py at the 8B shape: the device's wait between steps, sync vs async
 #   quant              scripts/gpu_quant.py, when present
 #   warmup_cost        per-program compile time of the 8B grid on the GPU (scripts/warmup_cost.py)
-# Needs python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm, pyyaml (the H200 image has
-# them; NOT pydantic, gguf, starlette, uvicorn: the engine path used here must not import those).
-# If jaxserve ever needs pydantic on this path: the GPU machine reaches no package index, so carry
-# wheels built for it (Python 3.12, x86-64 manylinux), fetched from the repo root here:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-# and start the device command with (carry: [".whl"]):
+# Needs python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm, pyyaml, flax (the H200 image has
+# them) and three the image lacks, carried as wheels: pydantic (EngineArgs), qwix (quantize-on-load),
+# llguidance (structured outputs), with pydantic's own needs. The engine path here imports no gguf,
+# starlette or uvicorn. The GPU machine reaches no package index: fetch the wheels here, from the repo root:
+#   mkdir -p .git/info .whl && echo /.whl/ >> .git/info/exclude
+#   .venv/bin/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 typing_extensions==4.16.0 qwix==0.1.8 llguidance==1.9.1
+# and run on the device (carry: [".whl"]):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit;
+#     .whl/*.whl && export PYTHONPATH=/tmp/site || exit; DEADLINE=530 scripts/gpu_check.sh
 # Usage:
 #   scripts/gpu_check.sh            # on the GPU machine (OUT=$OUT from the device tool)
 #   scripts/gpu_check.sh --smoke    # on a CPU: every stage, tiny shapes, Pallas in interpret mode, with
-#                                   # pydantic/gguf/starlette/uvicorn made unimportable (as on the GPU)
+#                                   # gguf/starlette/uvicorn made unimportable (as on the GPU)
 # STAGES="a b": only the named stages; DEADLINE=s; PYTHON=interpreter; KEEP_CACHE=1 keeps the compile cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -77,9 +78,9 @@ stage() {  # stage NAME LIMIT_S CMD...: every BRIEF line of its log goes to the 
 
 E="$PYTHON scripts/gpu_engine.py --compilation-cache-dir $CACHE"
 SCALE=${SCALE:-}  # stage limits x SCALE (smoke: 8)
-if [ "$SMOKE" = 1 ]; then  # tiny shapes; the four packages absent from the GPU image made unimportable
+if [ "$SMOKE" = 1 ]; then  # tiny shapes; the packages absent from the GPU image (and not carried) made unimportable
   BLOCK=$(mktemp -d)
-  for m in pydantic gguf starlette uvicorn; do
+  for m in gguf starlette uvicorn; do
     mkdir -p "$BLOCK/$m" && echo "raise ImportError('$m is not in the GPU image')" >"$BLOCK/$m/__init__.py"
   done
   export PYTHONPATH="$BLOCK:$PWD"
