@@ -56,6 +56,8 @@ class LLMEngine:
             # A restart with the same model and shapes then loads its programs instead of compiling.
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        # "" turns it off for this engine's compiles (the setting is process-wide).
+        jax.config.update("jax_enable_compilation_cache", bool(args.compilation_cache_dir))
         if args.data_parallel_size > 1 and mesh is None:
             raise ValueError("data_parallel_size: one LLMEngine is one replica; data parallelism runs "
                              "several behind the server (`jaxserve serve --data-parallel-size N`)")
