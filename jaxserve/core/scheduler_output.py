@@ -126,14 +126,14 @@ class RequestUpdate:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    num_running: int
-    num_waiting: int  # includes parallel samples waiting to fork off their parent
-    num_swapped: int
-    kv_cache_usage: float  # fraction of device blocks referenced, 0..1
-    cpu_cache_usage: float
-    prefix_cache_queries: int  # cumulative, tokens looked up at admission
-    prefix_cache_hits: int  # cumulative, tokens found
-    num_preemptions: int  # cumulative
+    num_running: int = 0
+    num_waiting: int = 0  # includes parallel samples waiting to fork off their parent
+    num_swapped: int = 0
+    kv_cache_usage: float = 0.0  # fraction of device blocks referenced, 0..1
+    cpu_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # cumulative, tokens looked up at admission
+    prefix_cache_hits: int = 0  # cumulative, tokens found
+    num_preemptions: int = 0  # cumulative
     spec_num_drafts: int = 0  # cumulative, request-steps that carried drafts
     spec_num_draft_tokens: int = 0  # cumulative
     spec_num_accepted_tokens: int = 0  # cumulative, drafts the model agreed with

@@ -12,14 +12,6 @@ class EngineStats(SchedulerStats):
     """The scheduler's counters (queues, KV usage, prefix cache, preemptions, speculative and
     token counts) plus what only the engine knows."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    kv_cache_usage: float = 0.0
-    cpu_cache_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_preemptions: int = 0
     num_compilations: int = 0  # XLA compilations since start-up
     num_compilations_after_warmup: int = 0
     num_gpu_blocks: int = 0
