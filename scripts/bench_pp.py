@@ -74,7 +74,7 @@ def main() -> int:
         return (time.perf_counter() - t0) / a.iters * 1e3, kv
 
     def single(params, kv, b, r, prev_tokens):
-        return _model_step(params, kv, b, r, prev_tokens, cfg=cfg, backend="reference")
+        return _model_step(params, kv, b, r, prev_tokens, cfg=cfg, backend="xla")
 
     mesh = parallel.make_mesh(a.devices, 1)
     pipe = build_pipeline(host, cfg, 1, a.devices)

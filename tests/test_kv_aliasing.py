@@ -46,8 +46,8 @@ def _inputs(dtype, backend: str, decode_only: bool = False):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])  # bfloat16: the pool holds uint16 bits on CPU
 def test_model_step_updates_the_pool_in_place_on_cpu(dtype):
-    params, kv, batch, rows, pool_dtype = _inputs(dtype, "reference")
-    compiled = mr._model_step.lower(params, kv, batch, rows, rows, cfg=CFG, backend="reference").compile()
+    params, kv, batch, rows, pool_dtype = _inputs(dtype, "xla")
+    compiled = mr._model_step.lower(params, kv, batch, rows, rows, cfg=CFG, backend="xla").compile()
     assert hlo_checks.compiled_problems(compiled, POOL, pool_dtype) == []
 
 

@@ -29,7 +29,7 @@ PROMPTS, CONTINUATIONS = [[5, 17, 99, 3, 42, 7, 250], [8, 1, 60]], [[11, 12, 13]
 @pytest.mark.parametrize("name", sorted(FP8))
 def test_vllm_names_resolve_to_fp8_pools(name):
     assert kv_values_dtype(name, jnp.float32) == FP8[name]
-    assert kv_pool_dtype(name, jnp.bfloat16, "reference") == FP8[name]  # not the bf16-bits layout
+    assert kv_pool_dtype(name, jnp.bfloat16, "xla") == FP8[name]  # not the bf16-bits layout
     assert EngineArgs(kv_cache_dtype=name).kv_cache_dtype == name
     parser = add_serve_args(argparse.ArgumentParser(), positional_model=False)
     assert resolve(parser.parse_args(["--kv-cache-dtype", name])).engine.kv_cache_dtype == name

@@ -90,7 +90,7 @@ def kv_pool_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype, backend: str) -> 
     (BF16_BITS): XLA:CPU would widen a bfloat16 pool to float32 around every gather and scatter;
     the XLA attention widens what it gathers instead."""
     dtype = kv_values_dtype(kv_cache_dtype, model_dtype)
-    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and backend == "xla" else dtype
+    return jnp.dtype(BF16_BITS) if dtype == jnp.bfloat16 and backend not in PALLAS_BACKENDS else dtype
 
 
 def make_kv_cache(num_layers: int, num_kv_heads: int, num_blocks: int, block_size: int, head_dim: int,

@@ -71,7 +71,7 @@ class Pipeline:
     ranges: list[tuple[int, int]]
     meshes: list[Mesh]
     params: list[dict]  # stage s's params, on meshes[s]
-    backend: str = "reference"
+    backend: str = "xla"
 
     @property
     def stage_configs(self) -> list[ModelConfig]:
@@ -116,7 +116,7 @@ class Pipeline:
 
 
 def build_pipeline(params: dict, cfg: ModelConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
-                   devices: Sequence[jax.Device] | None = None, backend: str = "reference") -> Pipeline:
+                   devices: Sequence[jax.Device] | None = None, backend: str = "xla") -> Pipeline:
     """Split `params` (host or device arrays) into stages placed on their sub-meshes."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     devices = list(jax.devices() if devices is None else devices)
