@@ -56,6 +56,11 @@ JAXSERVE_PEERS = {"jaxserve": [], "jaxserve-int8": ["--quantization", "int8"],
                                          '{"method": "ngram", "num_speculative_tokens": 4}']}
 
 
+# The workloads of BENCHMARKS.md's CPU tables (issue 24's S and A).
+WORKLOADS = {"S": dict(input_len=64, output_len=64, num_prompts=32, concurrency=[16]),
+             "A": dict(input_len=128, output_len=128, num_prompts=64, concurrency=[32])}
+
+
 def server_command(peer: str, args, port: int) -> list[str]:
     if peer in JAXSERVE_PEERS:
         return [str(Path(PY).parent / "jaxserve"), "serve", *JAXSERVE_PEERS[peer], *(args.jaxserve_args or []),
@@ -92,7 +97,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> float:
 def bench(peer: str, url: str, concurrency: int, args, name: str) -> dict:
     cmd = [str(Path(PY).parent / "jaxserve"), "bench", "serve", "--base-url", url,
            "--endpoint", "/v1/completions", "--dataset-name", "lognormal", "--tokenizer", "default",
-           "--random-input-len", "128", "--random-output-len", "128", "--lognormal-sigma", "0.7",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--lognormal-sigma", "0.7",
            "--num-prompts", str(args.num_prompts), "--max-concurrency", str(concurrency),
            "--seed", str(args.seed), "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", args.result_dir,
@@ -114,6 +120,10 @@ def main() -> None:
                    choices=[*JAXSERVE_PEERS, "llamacpp", "transformers"])
     p.add_argument("--concurrency", nargs="+", type=int, default=[16, 32])
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="median prompt tokens (log-normal)")
+    p.add_argument("--output-len", type=int, default=128, help="median output tokens (log-normal)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS),
+                   help="a named workload of BENCHMARKS.md; sets the lengths, --num-prompts and --concurrency")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
@@ -126,6 +136,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every peer at each concurrency, interleaved; the table adds median ratios")
     args = p.parse_args()
+    for key, value in WORKLOADS.get(args.workload, {}).items():
+        setattr(args, key, value)
     args.served_name = {"transformers": args.hf_dir or ""}
     Path(args.result_dir).mkdir(parents=True, exist_ok=True)
 

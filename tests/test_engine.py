@@ -24,7 +24,9 @@ CONFIGS = {
                                            enable_prefix_caching=True, max_num_batched_tokens=16,
                                            speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
 }
-COMMON = dict(max_model_len=128, block_size=8, num_gpu_blocks_override=40, max_num_seqs=16, dtype="float32")
+# The exact float32 configuration (a float32 KV pool: the CPU default is bfloat16), held to transformers.
+COMMON = dict(max_model_len=128, block_size=8, num_gpu_blocks_override=40, max_num_seqs=16, dtype="float32",
+              kv_cache_dtype="auto")
 
 
 def _llm(jax_default_model, **kw) -> LLM:

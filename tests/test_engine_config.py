@@ -33,6 +33,21 @@ def test_backend_resolved(flag: str, platform: str, want: str) -> None:
     assert EngineConfig.resolve(EngineArgs(attention_backend=flag), 2048, platform).attention_backend == want
 
 
+@pytest.mark.parametrize("platform, want", [("cpu", (64, "bfloat16")), ("gpu", (16, "auto")), ("tpu", (16, "auto"))])
+def test_platform_defaults_fill_only_the_flags_not_given(platform: str, want: tuple) -> None:
+    config = EngineConfig.resolve(EngineArgs(), 2048, platform)
+    assert (config.block_size, config.kv_cache_dtype) == want
+    sized = config.with_blocks(10)
+    assert (sized.runner_config().block_size, sized.runner_config().kv_cache_dtype) == want
+    assert sized.scheduler_config().block_size == want[0]
+    # The start-up log names what the CPU chose; explicit flags are kept and not reported.
+    assert config.platform_defaults == (("--block-size 64", "--kv-cache-dtype bfloat16") if platform == "cpu" else ())
+    exact = EngineConfig.resolve(EngineArgs(block_size=16, kv_cache_dtype="auto"), 2048, platform)
+    assert (exact.block_size, exact.kv_cache_dtype, exact.platform_defaults) == (16, "auto", ())
+    half = EngineConfig.resolve(EngineArgs(kv_cache_dtype="float32"), 2048, platform)
+    assert half.kv_cache_dtype == "float32" and half.platform_defaults == (("--block-size 64",) if platform == "cpu" else ())
+
+
 def test_parts_derived_and_nothing_written_back() -> None:
     args = EngineArgs(block_size=32, max_num_seqs=5, preemption_mode="swap", enable_prefix_caching=True,
                       speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -147,7 +147,7 @@ def run_batching(engine, requests: list[ds.SampleRequest], batch_size: int, *, h
         "workload": {"num_requests": len(requests), "input_lens": [r.prompt_len for r in requests],
                      "output_lens": [r.expected_output_len for r in requests]},
         "engine": {"max_num_seqs": engine.args.max_num_seqs, "max_model_len": engine.max_model_len,
-                   "block_size": engine.args.block_size, "num_gpu_blocks": engine.num_gpu_blocks},
+                   "block_size": engine.block_size, "num_gpu_blocks": engine.num_gpu_blocks},
         "continuous": continuous, "static": static, "static_padded": padded,
         "speedup_continuous_over_static": continuous["output_tokens_per_second"] / static["output_tokens_per_second"],
         "speedup_continuous_over_static_padded": (continuous["output_tokens_per_second"]

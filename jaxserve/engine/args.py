@@ -33,7 +33,8 @@ class EngineArgs:
     quantization: Quantization | None = None
     # The KV pool's dtype; auto: the model's. bfloat16 halves the pool's bytes (twice the blocks
     # in the same memory, and a faster read on CPU) for a rounding of K and V to 8 mantissa bits.
-    kv_cache_dtype: KvCacheDtype = "auto"
+    # None: the platform's default (EngineConfig.resolve): bfloat16 on a CPU, auto elsewhere.
+    kv_cache_dtype: KvCacheDtype | None = None
     # None: the model's own context length, capped at 2048 on CPU (EngineConfig.resolve).
     max_model_len: Annotated[int, Field(ge=2)] | None = None
     # At most 0.95 (worker/sizing.py): the CUDA context, XLA's own buffers and the allocator's
@@ -41,7 +42,7 @@ class EngineArgs:
     gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=0.95)] = 0.9
     num_gpu_blocks_override: Positive | None = None
     kv_cache_memory: Positive | None = None  # bytes of KV pool on CPU; None: 1 GiB
-    block_size: BlockSize = 16
+    block_size: BlockSize | None = None  # None: the platform's default: 64 tokens on a CPU, 16 elsewhere
     max_num_seqs: Positive = 64
     max_num_batched_tokens: Positive | None = None  # None: max_model_len (or 512 with chunked prefill)
     enable_chunked_prefill: bool = True  # as vLLM V1; off: a step takes whole prompts only

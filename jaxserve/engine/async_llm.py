@@ -33,7 +33,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
+        self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
         self.model_name = engine.model_name
         self.errored = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

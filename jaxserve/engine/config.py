@@ -8,6 +8,9 @@ and returned (nothing is written back into EngineArgs):
         max_num_batched_tokens  the flag, or min(512, max_model_len) with chunked prefill, else max_model_len
                                 (both defaults from worker/sizing.py, shared with `jaxserve plan`)
         attention_backend       auto/reference resolved to xla or pallas
+        block_size              the flag, or the platform's default: 64 on CPU, 16 elsewhere
+        kv_cache_dtype          the flag, or the platform's default: bfloat16 on CPU, auto elsewhere
+        platform_defaults       what the platform chose of these because the flag was not set, and why
         speculative             the speculative_config dict parsed
     config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
     config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
@@ -33,6 +36,9 @@ class EngineConfig:
     max_model_len: int
     max_num_batched_tokens: int
     attention_backend: str  # "xla" or "pallas"
+    block_size: int = sizing.ACCELERATOR_BLOCK_SIZE
+    kv_cache_dtype: str = sizing.ACCELERATOR_KV_CACHE_DTYPE
+    platform_defaults: tuple[str, ...] = ()  # "flag value" for each default the platform picked
     speculative: SpeculativeConfig | None = None
     num_gpu_blocks: int = 0  # 0 until with_blocks(): the KV pool is sized after the model is loaded
     num_cpu_blocks: int = 0  # the host swap pool (preemption_mode="swap")
@@ -43,15 +49,22 @@ class EngineConfig:
         # worker/sizing.py's defaults: `jaxserve plan` sizes with the same ones
         max_model_len = args.max_model_len or sizing.default_max_model_len(max_position_embeddings, platform == "cpu")
         default_tokens = sizing.default_max_num_batched_tokens(max_model_len, args.enable_chunked_prefill)
+        on_cpu = platform == "cpu"
+        block_size = args.block_size or sizing.default_block_size(on_cpu)
+        kv_cache_dtype = args.kv_cache_dtype or sizing.default_kv_cache_dtype(on_cpu)
+        chosen = tuple(f"--{flag} {value}" for flag, given, value in (
+            ("block-size", args.block_size, block_size), ("kv-cache-dtype", args.kv_cache_dtype, kv_cache_dtype))
+            if given is None and on_cpu)
         return cls(args=args, max_model_len=max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
                    attention_backend=resolve_attention_backend(args.attention_backend, platform),
+                   block_size=block_size, kv_cache_dtype=kv_cache_dtype, platform_defaults=chosen,
                    speculative=SpeculativeConfig.parse(args.speculative_config))
 
     @property
     def min_blocks(self) -> int:
         """The blocks one request of max_model_len needs: the smallest usable pool."""
-        return -(-self.max_model_len // self.args.block_size)
+        return -(-self.max_model_len // self.block_size)
 
     def with_blocks(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
         return dataclasses.replace(self, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks)
@@ -59,7 +72,7 @@ class EngineConfig:
     def scheduler_config(self) -> SchedulerConfig:
         a = self.args
         return SchedulerConfig(
-            num_blocks=self.num_gpu_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+            num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
             preemption_mode=a.preemption_mode, num_cpu_blocks=self.num_cpu_blocks, speculative=self.speculative)
@@ -67,6 +80,6 @@ class EngineConfig:
     def runner_config(self) -> RunnerConfig:
         a = self.args
         return RunnerConfig(
-            num_blocks=self.num_gpu_blocks, block_size=a.block_size, max_num_seqs=a.max_num_seqs,
+            num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=a.kv_cache_dtype)
+            backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype)

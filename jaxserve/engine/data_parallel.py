@@ -25,6 +25,7 @@ class DataParallelAsyncLLM:
         self.replicas = replicas
         first = replicas[0]
         self.tokenizer, self.max_model_len, self.model_name = first.tokenizer, first.max_model_len, first.model_name
+        self.block_size = first.block_size
         self.in_flight = [0] * len(replicas)
         self.num_served = [0] * len(replicas)  # requests each replica has taken, for logs and tests
         self._owner: dict[str, int] = {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from jaxserve.constants import BLOCK_SIZES
 from jaxserve.plan.estimate import Setting, estimate, flags, setting_dict, smallest_parallel, smallest_quantization
 from jaxserve.plan.gpus import GPUS, find_gpu
 from jaxserve.plan.source import bundled_ids, read_model
@@ -35,13 +36,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default=None,
                         help="default: the checkpoint's own (config.json quantization_config)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto", help="auto: float32 on cpu, else 16-bit")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="default: the engine's for the platform (auto on a GPU, bfloat16 on a CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="default: the model's context (capped at 2048 on cpu, as the engine)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16, choices=(8, 16, 32, 64, 128))
+    parser.add_argument("--block-size", type=int, default=None, choices=BLOCK_SIZES,
+                        help="default: the engine's for the platform (16 on a GPU, 64 on a CPU)")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool on cpu (default 1 GiB)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -62,7 +65,8 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
         width = sizing.dtype_bytes(args.dtype)
     else:
         width = 4 if gpu is None else 2
-    kv_width = width if args.kv_cache_dtype == "auto" else sizing.dtype_bytes(args.kv_cache_dtype)
+    kv_cache_dtype = args.kv_cache_dtype or sizing.default_kv_cache_dtype(gpu is None)
+    kv_width = width if kv_cache_dtype == "auto" else sizing.dtype_bytes(kv_cache_dtype)
     cfg = src.config
     max_len = args.max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, gpu is None)
     if max_len < 2:
@@ -71,7 +75,8 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
         raise ValueError(f"pipeline_parallel_size: {args.pipeline_parallel_size} stages for {cfg.num_layers} layers")
     tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len)
     setting = Setting(cfg, gpu, args.tensor_parallel_size, args.pipeline_parallel_size, quant, width, kv_width,
-                      max_len, args.gpu_memory_utilization, args.max_num_seqs, tokens, args.block_size,
+                      max_len, args.gpu_memory_utilization, args.max_num_seqs, tokens,
+                      args.block_size or sizing.default_block_size(gpu is None),
                       args.kv_cache_memory)
     return setting, src.where
 

@@ -195,10 +195,10 @@ class _Server(uvicorn.Server):
 def log_startup(engine: EngineClient, args: EngineArgs, seconds: float) -> None:
     """What was sized at start-up. The engine may add its own report via `startup_report() -> str`."""
     stats = engine.get_stats()
-    tokens = stats.num_gpu_blocks * args.block_size
+    tokens = stats.num_gpu_blocks * engine.block_size
     logger.info("model %s: max_model_len %d, %d KV blocks of %d tokens (%d tokens): max concurrency %.2f "
                 "requests at max_model_len; loaded and warmed up in %.1f s", engine.model_name,
-                engine.max_model_len, stats.num_gpu_blocks, args.block_size, tokens,
+                engine.max_model_len, stats.num_gpu_blocks, engine.block_size, tokens,
                 tokens / max(engine.max_model_len, 1), seconds)
     report = getattr(engine, "startup_report", None)
     if callable(report):

@@ -19,6 +19,7 @@ from jaxserve.engine.stats import EngineStats
 class EngineClient(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
+    block_size: int  # KV block tokens (the platform's default when the flag was not given)
     model_name: str
 
     def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
