@@ -45,7 +45,8 @@ def greedy(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def engine_for(model: LoadedModel, tp: int, pp: int, **kw) -> LLMEngine:
-    kw = {"kv_cache_memory": 1 << 20, **kw}
+    # block size and a float32 pool given explicitly (not the CPU defaults): the byte counts below assume them
+    kw = {"kv_cache_memory": 1 << 20, "block_size": 16, "kv_cache_dtype": "auto", **kw}
     args = EngineArgs(tensor_parallel_size=tp, pipeline_parallel_size=pp, max_model_len=64, max_num_seqs=2,
                       max_num_batched_tokens=16, compilation_cache_dir="", **kw)
     return LLMEngine(args, model=model, progress=False)
@@ -74,7 +75,7 @@ def check_tiny() -> dict:
             held = device_bytes(engine)
             expect_w = {s * tp + d: sizing.stage_weight_bytes(cfg, 4, tp, s, pp)
                         for s in range(pp) for d in range(tp)}
-            per_block = sizing.kv_heads_per_device(cfg, tp) * engine.args.block_size * cfg.head_dim * 4 * 2
+            per_block = sizing.kv_heads_per_device(cfg, tp) * engine.block_size * cfg.head_dim * 4 * 2
             expect_kv = {s * tp + d: per_block * (b - a) * engine.num_gpu_blocks
                          for s, (a, b) in enumerate(ranges) for d in range(tp)}
             results[f"{name}/tp{tp}/pp{pp}" + ("/async" if overlap else "")] = dict(

@@ -132,6 +132,27 @@ def test_serve_tokenizer_text_prompts(tmp_path, smol_url, default_tokenizer, sen
     assert res["tokenizer_id"] == "default" and res["backend"] == "openai-chat" and res["completed"] == 10
 
 
+def test_serve_structured_output_ratio(tmp_path, url, sent, capsys):
+    """Half the requests constrained (every other one), without ignore_eos; a bad ratio is refused."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    res = _run(tmp_path, url, "--structured-output-ratio", "0.5", "--structured-output-schema",
+               str(tmp_path / "s.json"))
+    timed = sent[1:]  # after the test request
+    constrained = [i for i, b in enumerate(timed) if "structured_outputs" in b]
+    assert constrained == [1, 3, 5, 7, 9]
+    assert all(timed[i]["structured_outputs"] == {"json": schema} and "ignore_eos" not in timed[i]
+               for i in constrained)
+    assert all(b.get("ignore_eos") for i, b in enumerate(timed) if i not in constrained)
+    assert res["completed"] == 10 and res["num_structured"] == 5 and res["structured_output_ratio"] == 0.5
+    assert 0 <= res["structured_json_parsed"] <= 5  # the fake engine writes words, not JSON
+    assert "Structured requests" in capsys.readouterr().out
+    assert bench_serve.structured_indices(4, 1.0) == {0, 1, 2, 3} and bench_serve.structured_indices(4, 0.0) == set()
+    assert len(bench_serve.structured_indices(64, 0.25)) == 16
+    with pytest.raises(ValueError, match="structured_output_ratio"):
+        bench_serve.structured_indices(4, 1.5)
+
+
 def test_tokenizer_sources(tmp_path, default_tokenizer):
     """A .gguf file, or an HF tokenizer directory, gives the same requests as `default`; bad values fail clearly."""
     from jaxserve.weights.loader import default_model_path

@@ -9,6 +9,12 @@
          (stream_options.include_usage), else the number of content chunks
       -> metrics.calculate_metrics -> printed table + vLLM-compatible JSON
 
+--structured-output-ratio R (the name of vLLM's structured-output benchmark) constrains that
+share of the requests, spread evenly over the list, to a JSON schema (`structured_outputs`,
+vLLM's request field; --structured-output-schema FILE, else STRUCTURED_SCHEMA). Those requests
+are never sent `ignore_eos` (their grammar ends them); the result counts how many of their
+outputs parse as JSON. Run once with R = 0 and once with R > 0 to price the grammar.
+
 JAX is never imported (except by the GGUF reader behind `--tokenizer default` or a .gguf):
 this measures servers, it does not run one.
 """
@@ -32,6 +38,21 @@ from jaxserve.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, calculat
                                     parse_goodput)
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+# The default schema of --structured-output-ratio: open-ended enough that a model writes at length.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 8},
+    "steps": {"type": "array", "items": {"type": "object", "properties": {
+        "name": {"type": "string"}, "minutes": {"type": "integer", "minimum": 0, "maximum": 600}},
+        "required": ["name", "minutes"]}}},
+    "required": ["title", "tags", "steps"]}
+
+
+def structured_indices(num_requests: int, ratio: float) -> set[int]:
+    """The requests to constrain: round(ratio * n) of them, spread evenly (ratio 0.5: every other)."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"structured_output_ratio: must be in [0, 1], got {ratio}")
+    return {i for i in range(num_requests) if math.floor((i + 1) * ratio + 1e-9) > math.floor(i * ratio + 1e-9)}
 
 
 class ServerTokenizer:
@@ -68,7 +89,8 @@ def discover_model(base_url: str, headers: dict[str, str]) -> str:
 
 
 def build_payload(endpoint: str, model: str, req: ds.SampleRequest, ignore_eos: bool,
-                  temperature: float) -> dict[str, object]:
+                  temperature: float, schema: dict | None = None) -> dict[str, object]:
+    """One streamed request; `schema`: constrain it (`structured_outputs`, no ignore_eos)."""
     body: dict[str, object] = {"model": model, "temperature": temperature, "stream": True,
                                "stream_options": {"include_usage": True}}
     if endpoint.endswith("/chat/completions"):
@@ -76,7 +98,9 @@ def build_payload(endpoint: str, model: str, req: ds.SampleRequest, ignore_eos: 
         body.update(messages=[{"role": "user", "content": content}], max_completion_tokens=req.expected_output_len)
     else:
         body.update(prompt=req.prompt, max_tokens=req.expected_output_len)
-    if ignore_eos:
+    if schema is not None:
+        body["structured_outputs"] = {"json": schema}  # vLLM's extension field
+    elif ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension; plain OpenAI servers may refuse it
     return body
 
@@ -154,8 +178,10 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.S
                    request_rate: float = math.inf, burstiness: float = 1.0, max_concurrency: int | None = None,
                    ignore_eos: bool = False, temperature: float = 0.0, seed: int = 0,
                    headers: dict[str, str] | None = None, progress: bool = True,
-                   test_request: bool = True) -> tuple[list[RequestResult], float, int]:
-    """Send every request; returns (results in request order, duration s, peak requests in flight)."""
+                   test_request: bool = True, structured: set[int] = frozenset(),
+                   schema: dict | None = None) -> tuple[list[RequestResult], float, int]:
+    """Send every request (those at the `structured` indices constrained to `schema`); returns
+    (results in request order, duration s, peak requests in flight)."""
     chat = endpoint.endswith("/chat/completions")
     url = base_url.rstrip("/") + endpoint
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -171,14 +197,15 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.S
         state = {"in_flight": 0, "peak": 0}
         bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress)
 
-        async def one(req: ds.SampleRequest) -> RequestResult:
+        async def one(i: int, req: ds.SampleRequest) -> RequestResult:
+            payload = build_payload(endpoint, model, req, ignore_eos, temperature,
+                                    schema if i in structured else None)
             if sem is not None:
                 await sem.acquire()
             state["in_flight"] += 1
             state["peak"] = max(state["peak"], state["in_flight"])
             try:
-                return await send_request(client, url, build_payload(endpoint, model, req, ignore_eos, temperature),
-                                          req, chat)
+                return await send_request(client, url, payload, req, chat)
             finally:
                 state["in_flight"] -= 1
                 if sem is not None:
@@ -188,11 +215,11 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.S
         delays = arrival_delays(len(requests), request_rate, burstiness, seed)
         start = time.perf_counter()
         tasks = []
-        for req, at in zip(requests, delays):
+        for i, (req, at) in enumerate(zip(requests, delays)):
             wait = start + at - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(req)))
+            tasks.append(asyncio.create_task(one(i, req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
@@ -218,11 +245,15 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     as_ids = args.prompt_format == "ids" or (args.prompt_format == "auto" and not chat
                                              and not isinstance(tokenizer, ds.WordTokenizer))
     requests = ds.build_requests(args, tokenizer, as_ids)
+    ratio = getattr(args, "structured_output_ratio", 0.0)
+    structured = structured_indices(len(requests), ratio)
+    schema_file = getattr(args, "structured_output_schema", None)
+    schema = json.loads(Path(schema_file).read_text()) if schema_file else STRUCTURED_SCHEMA
     slos = parse_goodput(args.goodput)
     results, duration, peak = asyncio.run(run_load(
         base_url, args.endpoint, model, requests, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
-        seed=args.seed, headers=headers, progress=not args.disable_tqdm))
+        seed=args.seed, headers=headers, progress=not args.disable_tqdm, structured=structured, schema=schema))
     metrics = calculate_metrics(results, duration, percentile_metrics=tuple(args.percentile_metrics.split(",")),
                                 percentiles=tuple(float(q) for q in args.metric_percentiles.split(",")),
                                 goodput_slos_ms=slos)
@@ -240,6 +271,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "max_concurrency": args.max_concurrency,
         "max_concurrent_requests": peak,
         "goodput_slos_ms": slos or None,
+        "structured_output_ratio": ratio,
+        "num_structured": len(structured),
+        "structured_json_parsed": sum(_parses(results[i].generated_text) for i in structured if results[i].success),
         **metrics,
         "input_lens": [r.prompt_len for r in results],
         "output_lens": [r.output_len for r in results],
@@ -248,6 +282,14 @@ def run(args: argparse.Namespace) -> dict[str, object]:
         "generated_texts": [r.generated_text for r in results],
         "errors": [r.error for r in results],
     }
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def format_result(res: dict[str, object]) -> str:
@@ -266,6 +308,9 @@ def format_result(res: dict[str, object]) -> str:
              row("Request throughput (req/s):", res["request_throughput"])]
     if res["request_goodput"] is not None:
         lines.append(row("Request goodput (req/s):", res["request_goodput"]))
+    if res.get("num_structured"):
+        lines.append(row("Structured requests (JSON parsed):", f"{res['num_structured']} "
+                                                               f"({res['structured_json_parsed']})"))
     lines += [row("Output token throughput (tok/s):", res["output_throughput"]),
               row("Peak output token throughput (tok/s):", res["max_output_tokens_per_s"]),
               row("Total token throughput (tok/s):", res["total_token_throughput"])]
@@ -304,6 +349,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos (vLLM extension)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--structured-output-ratio", type=float, default=0.0,
+                   help="share of requests constrained to a JSON schema (structured_outputs; no ignore_eos)")
+    p.add_argument("--structured-output-schema", default=None, metavar="FILE.json",
+                   help="the schema for --structured-output-ratio (default: a recipe-like object)")
     p.add_argument("--percentile-metrics", default="ttft,tpot,itl", help="of ttft,tpot,itl,e2el")
     p.add_argument("--metric-percentiles", default=",".join(format_percentile(q) for q in DEFAULT_PERCENTILES))
     p.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:100")

@@ -28,6 +28,7 @@ slots are written again later). Pure Python, no JAX.
 from __future__ import annotations
 
 import bisect
+import logging
 from collections import deque
 from collections.abc import Iterable
 
@@ -37,6 +38,8 @@ from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledT
                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
 from jaxserve.core.spec_decode import draft_budget, propose_drafts
 from jaxserve.core.structured_output import StructuredOutputManager
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ModelOutput", "RequestUpdate", "SampledToken", "ScheduledRequest", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
@@ -63,6 +66,7 @@ class Scheduler:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self._in_flight: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests, until update
+        self._ended_unscheduled: list[RequestUpdate] = []  # aborted at admission (grammar), for update()
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -258,6 +262,12 @@ class Scheduler:
             if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
                 break
             rid = req.request_id
+            error = self.structured.grammar_error(rid)
+            if error is not None:  # its grammar did not compile: the request ends, the rest go on
+                logger.error("request %s aborted: %s", rid, error)
+                self._finish([rid], RequestStatus.FINISHED_ABORTED)
+                self._ended_unscheduled.append(RequestUpdate(rid, [], "abort"))
+                continue
             assert req.num_computed_tokens == 0, "waiting requests hold no KV"
             # Prompt logprobs need every prompt position computed, so such a request reads no cached prefix.
             use_cache = caching and req.sampling_params.prompt_logprobs is None
@@ -328,7 +338,7 @@ class Scheduler:
         whether that ended it. With async scheduling the next step is already scheduled (and may
         have preempted some of these requests); results of requests finished or aborted since
         `schedule()` are dropped, so no token past a request's end reaches anyone."""
-        updates: list[RequestUpdate] = []
+        updates, self._ended_unscheduled = self._ended_unscheduled, []
         finished: list[Request] = []
         bs = self.config.block_size
         for sched, req in zip(out.scheduled, self._in_flight.pop(id(out), [])):
@@ -383,7 +393,7 @@ class Scheduler:
 
     # -- introspection ------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self._ended_unscheduled)
 
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)

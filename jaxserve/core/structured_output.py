@@ -179,6 +179,15 @@ class StructuredOutputManager:
         state = self.requests.get(request_id)
         return state is None or state.grammar is None or state.grammar.done()
 
+    def grammar_error(self, request_id: str) -> str | None:
+        """Why the request's grammar failed to compile (admission validated the spec, so this is
+        llguidance's limits), or None: compiled, still compiling, or unconstrained."""
+        state = self.requests.get(request_id)
+        if state is None or state.grammar is None or not state.grammar.done() or state.matcher is not None:
+            return None
+        exc = state.grammar.exception()
+        return None if exc is None else str(exc)
+
     def rotate_compiling(self, waiting: deque) -> bool:
         """Move waiting requests whose grammar still compiles behind the others, so they wait
         and the rest go ahead; True when the head of `waiting` may be scheduled."""
