@@ -126,7 +126,10 @@ def engine_kwargs(args) -> dict:
     kw = dict(dtype=args.dtype, attention_backend=backend, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_chunked_prefill=True,
-              enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir)
+              enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir,
+              # The GPU's defaults, spelled out: a CPU smoke run (pallas-interpret) then runs the
+              # configuration the GPU will, not the CPU's 64-token blocks and bfloat16 pool.
+              block_size=16, kv_cache_dtype="auto")
     if args.num_gpu_blocks:
         kw["num_gpu_blocks_override"] = args.num_gpu_blocks
     if args.quantization:  # quantize-on-load of the random float weights (fp8: e4m3 per channel)
