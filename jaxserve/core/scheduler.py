@@ -183,8 +183,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         """Returns True if anything was preempted."""
         budget = self.config.max_num_batched_tokens
-        others = len(self.waiting) + len(self.swapped) + sum(len(c) for c in self.pending_forks.values())
-        drafts_left = draft_budget(self.config.speculative, self.config.max_num_seqs, len(self.running), others)
+        drafts_left = draft_budget(self.config.speculative, self.config.max_num_seqs, len(self.running),
+                                   self._num_waiting() + len(self.swapped))
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
@@ -395,6 +395,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._ended_unscheduled)
 
+    def _num_waiting(self) -> int:
+        """Requests waiting for admission, parallel samples waiting to fork off their parent included."""
+        return len(self.waiting) + sum(len(c) for c in self.pending_forks.values())
+
     def get_request(self, request_id: str) -> Request | None:
         return self.requests.get(request_id)
 
@@ -404,5 +408,5 @@ class Scheduler:
             "spec_num_accepted_tokens", "num_prompt_tokens", "num_generation_tokens")}
         return SchedulerStats(
             num_running=len(self.running), num_swapped=len(self.swapped),
-            num_waiting=len(self.waiting) + sum(len(c) for c in self.pending_forks.values()),
+            num_waiting=self._num_waiting(),
             kv_cache_usage=self.kv.usage, cpu_cache_usage=self.kv.cpu_usage, **counters)

@@ -19,21 +19,21 @@ Pure Python, no JAX.
 from __future__ import annotations
 
 from array import array
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import Field, model_validator
 
+from jaxserve.core.request import Request
 from jaxserve.core.validation import config_dataclass
 
-from jaxserve.core.request import Request
-
-SPECULATIVE_METHODS = ("ngram",)
+SpeculativeMethod = Literal["ngram"]
+SPECULATIVE_METHODS = get_args(SpeculativeMethod)
 
 
 @config_dataclass(prefix="speculative_config.")
 class SpeculativeConfig:
     num_speculative_tokens: Annotated[int, Field(ge=1)]  # k: most drafts per request and step
-    method: Literal["ngram"] = "ngram"
+    method: SpeculativeMethod = "ngram"
     prompt_lookup_max: Annotated[int, Field(ge=1)] = 4  # longest suffix n-gram looked up
     prompt_lookup_min: Annotated[int, Field(ge=1)] = 1  # shortest
     # Propose nothing in a step while more requests than this are running (None: no limit).

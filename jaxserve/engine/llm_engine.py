@@ -283,7 +283,8 @@ def platform_defaults_note(config: EngineConfig) -> str:
     return (f"\nCPU defaults for flags not given: {' '.join(config.platform_defaults)} (the fastest measured on a "
             f"CPU: decode steps about 1.15x faster with 64-token blocks and 1.1-1.25x with a bfloat16 KV pool, "
             f"perplexity within 0.1% of float32; BENCHMARKS.md). The exact float32 configuration, the one "
-            f"held to transformers: --block-size 16 --kv-cache-dtype auto")
+            f"held to transformers: --block-size {sizing.ACCELERATOR_BLOCK_SIZE} "
+            f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE}")
 
 
 def _use_async_scheduling(args: EngineArgs) -> bool:

@@ -71,7 +71,8 @@ _HELP = {
     "quantization": ("a checkpoint's method (awq, gptq, compressed-tensors, fp8; auto-detected from config.json) "
                      "or one applied at load: int8 (SmoothQuant W8A8, one device), fp8 (e4m3 weights, per-token "
                      "activations)"),
-    "kv_cache_dtype": ("KV pool dtype; auto: the model's. bfloat16: half the bytes (not bit-exact); fp8 (= fp8_e4m3), "
+    "block_size": "tokens per KV block; None (not given): 64 on a CPU, 16 elsewhere",
+    "kv_cache_dtype": ("KV pool dtype; auto: the model's; None (not given): bfloat16 on a CPU, auto elsewhere. bfloat16: half the bytes (not bit-exact); fp8 (= fp8_e4m3), "
                        "fp8_e5m2: a quarter of float32's, with the checkpoint's k/v scales when it has them"),
     "attention_backend": "auto: Pallas kernels on GPU, the XLA path on CPU (reference: old name of xla)",
     "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",

@@ -8,12 +8,11 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from jaxserve.constants import RESOLVED_BACKENDS, resolve_attention_backend
+from jaxserve.constants import resolve_attention_backend
 from pallas_kernels.common import BF16_BITS
 
-BACKENDS = RESOLVED_BACKENDS  # ("xla", "pallas")
 # The Pallas kernels in interpret mode (a CPU run of the kernels' own code), for tests only: not in
-# BACKENDS, so no user option reaches it; RunnerConfig(backend=PALLAS_INTERPRET) does.
+# constants.RESOLVED_BACKENDS, so no user option reaches it; RunnerConfig(backend=PALLAS_INTERPRET) does.
 PALLAS_INTERPRET = "pallas-interpret"
 PALLAS_BACKENDS = ("pallas", PALLAS_INTERPRET)
 
