@@ -23,8 +23,7 @@ CONTEXT = "Some context about the weather in the mountains and by the sea, today
 def test_grammars_under_async_drafts_and_preemption(jax_default_model) -> None:
     llm = LLM(jax_default_model, progress=False, max_model_len=96, block_size=8, num_gpu_blocks_override=12,
               max_num_seqs=16, max_num_batched_tokens=128, dtype="float32", async_scheduling=True,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3},
-              compilation_cache_dir="")  # (in the full suite, XLA:CPU segfaulted (de)serializing here)
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     cases = ([(CONTEXT + "A user as JSON:", SamplingParams(temperature=0.0, max_tokens=40,
                                                  structured_outputs=StructuredOutputsParams(json=SCHEMA)))] * 3
              + [(CONTEXT + "Repeat after me:", SamplingParams(temperature=0.0, max_tokens=40,
