@@ -1,162 +1,19 @@
-"""Scheduler with a fake runner that keeps a shadow KV cache.
-
-The fake runner stores, per block slot, the (token, position) it was asked to
-write, and samples the next token as a hash of the context it reads back
-through the block table, salted per request (so parallel samples diverge).
-A request therefore gets the reference tokens only if its blocks really held
-its whole context: a missed copy-on-write, a wrong prefix hit, a bad swap or
-a lost token changes the output.
-"""
+"""The scheduler, driven by the fake runner of tests/scheduler_helpers.py (a shadow KV cache:
+a request gets the reference tokens only if its blocks really held its whole context):
+config and admission, stop conditions, chunked prefill, preemption, forks, aborts, prefix
+caching. Randomized workloads are in tests/test_scheduler_random.py."""
 
 from __future__ import annotations
 
 import random
-import zlib
-from dataclasses import dataclass
 
 import pytest
 
-from jaxserve.core.request import PLACEHOLDER, Request, RequestStatus
+from jaxserve.core.request import RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import (ModelOutput, SampledToken, Scheduler, SchedulerConfig,
-                                       SchedulerOutput)
-
-VOCAB = 50
-EOS = 0
-
-
-def salt(request_id: str) -> int:
-    return zlib.crc32(request_id.encode()) % 1000
-
-
-def next_token(context: list[int], s: int) -> int:
-    h = s
-    for t in context:
-        h = (h * 31 + t + 1) % 1_000_003
-    return h % VOCAB
-
-
-def reference(prompt: list[int], s: int, params: SamplingParams, max_model_len: int) -> list[int]:
-    """What the request must produce, computed without any cache."""
-    toks, out = list(prompt), []
-    while True:
-        t = next_token(toks, s)
-        toks.append(t)
-        out.append(t)
-        if len(out) >= params.min_tokens and (t in (params.stop_token_ids or [])
-                                              or (not params.ignore_eos and t == EOS)):
-            return out
-        if (params.max_tokens is not None and len(out) >= params.max_tokens) or len(toks) >= max_model_len:
-            return out
-
-
-class FakeRunner:
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.cfg = cfg
-        self.dev: list[list[tuple[int, int] | None]] = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
-        self.cpu: list[list[tuple[int, int] | None]] = [[None] * cfg.block_size
-                                                        for _ in range(cfg.num_cpu_blocks)]
-        self.last: dict[str, SampledToken] = {}  # the previous step's samples, as the device keeps them
-
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
-        bs = self.cfg.block_size
-        for d, c in out.swap_out:
-            self.cpu[c] = list(self.dev[d])
-        for c, d in out.swap_in:
-            self.dev[d] = list(self.cpu[c])
-        for s, d in out.copy_blocks:
-            self.dev[d] = list(self.dev[s])
-        # Like the model: every layer writes the whole batch's KV, then attends.
-        for sr in out.scheduled:
-            for k, t in enumerate(sr.token_ids):
-                if t == PLACEHOLDER:  # async scheduling: the previous step's token, still "on the device"
-                    assert k == len(sr.token_ids) - 1 and sr.request_id in self.last, sr
-                    t = self.last[sr.request_id].token_id
-                p = sr.start_pos + k
-                self.dev[sr.block_ids[p // bs]][p % bs] = (t, p)
-        sampled = {}
-        for sr in out.scheduled:
-            if sr.sample:
-                end = sr.start_pos + len(sr.token_ids)
-                ctx = [self.dev[sr.block_ids[p // bs]][p % bs] for p in range(end)]
-                assert all(c is not None and c[1] == p for p, c in enumerate(ctx)), sr.request_id
-                sampled[sr.request_id] = SampledToken(next_token([c[0] for c in ctx], salt(sr.request_id)))
-        self.last = sampled
-        return ModelOutput(sampled)
-
-
-@dataclass
-class Run:
-    outputs: dict[str, Request]
-    steps: list[SchedulerOutput]
-    sched: Scheduler
-
-
-def make_request(rid: str, prompt: list[int], arrival: float = 0.0, parent: str | None = None,
-                 **params: object) -> Request:
-    params.setdefault("max_tokens", 8)
-    return Request(rid, list(prompt), SamplingParams(**params), arrival, eos_token_ids=(EOS,),
-                   parent_id=parent)
-
-
-def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: int = 5000,
-        check: bool = True, async_scheduling: bool = False) -> Run:
-    """Drive schedule/execute/update; `arrivals` are (step, request) pairs. With
-    `async_scheduling`, step N's update comes after step N+1 was scheduled and executed."""
-    sched, runner = Scheduler(cfg), FakeRunner(cfg)
-    pending = sorted(arrivals, key=lambda a: a[0])
-    by_id = {r.request_id: r for _, r in arrivals}
-    done: dict[str, Request] = {}
-    steps = []
-    in_flight: list[tuple[SchedulerOutput, ModelOutput]] = []
-
-    def apply(out: SchedulerOutput, model_out: ModelOutput) -> None:
-        for update in sched.update(out, model_out):
-            req = by_id[update.request_id]
-            assert req.output_token_ids[-len(update.new_tokens):] == [t.token_id for t in update.new_tokens]
-            assert update.finished == req.is_finished
-            if update.finished:
-                done[req.request_id] = req
-
-    for step in range(max_steps):
-        while pending and pending[0][0] <= step:
-            sched.add_request(pending.pop(0)[1])
-        if not pending and not sched.has_unfinished_requests():
-            break
-        waiting_before = [r.request_id for r in sched.waiting]
-        out = sched.schedule()
-        # FCFS: admissions are a prefix of the waiting queue, and none while any are swapped out.
-        admitted = [s.request_id for s in out.scheduled if s.request_id in set(waiting_before)]
-        assert admitted == waiting_before[:len(admitted)]
-        assert not (admitted and sched.swapped)
-        # Preemption takes the newest: no victim is older than a request that ran this step.
-        arrival = {r: sched.requests[r].arrival_time for r in sched.requests}
-        for victim in out.preempted_ids:
-            assert all(arrival[victim] >= arrival[s.request_id] for s in out.scheduled)
-        assert out.num_batched_tokens <= cfg.max_num_batched_tokens
-        assert len(out.scheduled) <= cfg.max_num_seqs
-        assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
-        steps.append(out)
-        in_flight.append((out, runner.execute(out)))
-        while len(in_flight) > int(async_scheduling):
-            apply(*in_flight.pop(0))
-    else:
-        raise AssertionError("requests did not finish")
-    if check:
-        assert sched.kv.num_free_blocks == cfg.num_blocks, "pool fully free at the end"
-        assert sched.kv.cpu_usage == 0.0
-    return Run(done, steps, sched)
-
-
-def assert_matches_reference(result: Run, requests: list[Request], max_model_len: int) -> None:
-    for req in requests:
-        got = result.outputs[req.request_id]
-        want = reference(req.prompt_token_ids, salt(req.request_id), req.sampling_params, max_model_len)
-        assert got.output_token_ids == want, req.request_id
-
-
-def random_prompt(rng: random.Random, lo: int, hi: int) -> list[int]:
-    return [rng.randrange(1, VOCAB) for _ in range(rng.randint(lo, hi))]
+from jaxserve.core.scheduler import Scheduler, SchedulerConfig
+from tests.scheduler_helpers import (EOS, FakeRunner, Run, assert_matches_reference, make_request, random_prompt,
+                                     reference, run, salt)
 
 
 # -- config and admission -----------------------------------------------------
@@ -262,47 +119,6 @@ def test_finish_requests_for_stop_strings() -> None:
     assert not sched.has_unfinished_requests() and sched.kv.num_free_blocks == 8
     with pytest.raises(ValueError):
         sched.finish_requests(["a"], RequestStatus.RUNNING)
-
-
-# -- mixed workloads: budgets, chunking, preemption, prefix caching -------------
-WORKLOADS = [
-    # (mode, chunked, prefix caching, num_blocks): 24 blocks of 4 is far below the demand.
-    ("recompute", False, False, 24),
-    ("recompute", True, False, 24),
-    ("recompute", True, True, 24),
-    ("swap", False, False, 24),
-    ("swap", True, True, 24),
-    ("recompute", False, True, 400),  # roomy: no preemption
-]
-
-
-@pytest.mark.parametrize("mode, chunked, caching, num_blocks", WORKLOADS)
-@pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_mixed_workload_matches_reference(mode: str, chunked: bool, caching: bool,
-                                          num_blocks: int, seed: int, async_scheduling: bool) -> None:
-    rng = random.Random(seed)
-    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8,
-                          max_num_batched_tokens=32 if chunked else 64, max_model_len=64,
-                          enable_chunked_prefill=chunked, enable_prefix_caching=caching,
-                          preemption_mode=mode, num_cpu_blocks=12 if mode == "swap" else 0)
-    shared = random_prompt(rng, 8, 8)  # a common system prompt for prefix hits
-    reqs = []
-    for i in range(30):
-        prompt = (shared if rng.random() < 0.5 else []) + random_prompt(rng, 1, 40)
-        reqs.append(make_request(f"r{i}", prompt[:60], arrival=float(i), max_tokens=rng.randint(1, 20),
-                                 ignore_eos=rng.random() < 0.5))
-    result = run(cfg, [(rng.randint(0, 30), r) for r in reqs], async_scheduling=async_scheduling)
-    assert_matches_reference(result, reqs, cfg.max_model_len)
-    stats = result.sched.stats()
-    assert (stats.num_preemptions > 0) == (num_blocks < 100)
-    if mode == "swap" and num_blocks < 100:
-        assert any(s.swap_out for s in result.steps) and any(s.swap_in for s in result.steps)
-    if caching:
-        assert 0 < stats.prefix_cache_hits <= stats.prefix_cache_queries
-    if chunked:
-        # Some step mixes a prefill chunk that does not sample with other requests' decodes.
-        assert any(not s.sample for out in result.steps for s in out.scheduled)
 
 
 def test_chunked_prefill_splits_long_prompt_and_shares_steps_with_decodes() -> None:
@@ -459,56 +275,3 @@ def test_prefix_cache_hits_on_repeated_prompt() -> None:
     assert b_first.start_pos == 16 and b_first.token_ids == prompt[16:]
     stats = result.sched.stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (18 + 18 + 16, 28)
-
-
-@pytest.mark.parametrize("seed", range(40))
-def test_random_configs_with_forks_and_aborts(seed: int) -> None:
-    """Everything at once: random pool/budget/mode, parallel samples, aborts mid-flight; even
-    seeds schedule asynchronously (step N's update after step N+1 ran)."""
-    rng = random.Random(100 + seed)
-    async_scheduling = seed % 2 == 0
-    in_flight: list[tuple[SchedulerOutput, ModelOutput]] = []
-    chunked = rng.random() < 0.5
-    mode = rng.choice(["recompute", "swap"])
-    cfg = SchedulerConfig(num_blocks=rng.randint(12, 40), block_size=rng.choice([2, 4, 8]),
-                          max_num_seqs=rng.randint(2, 10), max_model_len=48,
-                          max_num_batched_tokens=rng.randint(8, 48) if chunked else 48,
-                          enable_chunked_prefill=chunked, enable_prefix_caching=rng.random() < 0.5,
-                          preemption_mode=mode, num_cpu_blocks=rng.randint(1, 20) if mode == "swap" else 0)
-    sched, runner = Scheduler(cfg), FakeRunner(cfg)
-    reqs: list[Request] = []
-    aborted: set[str] = set()
-    for step in range(3000):
-        if step < 40 and rng.random() < 0.4:
-            i, prompt = len(reqs), random_prompt(rng, 1, 30)
-            params = dict(max_tokens=rng.randint(1, 16), ignore_eos=rng.random() < 0.7)
-            try:
-                for k in range(rng.choice([1, 1, 3])):
-                    rid = f"q{i}" if k == 0 else f"q{i}#{k}"
-                    req = make_request(rid, prompt, arrival=float(step), parent=f"q{i}" if k else None, **params)
-                    sched.add_request(req)
-                    reqs.append(req)
-            except ValueError:
-                assert k == 0, "siblings are valid when the first one is"
-                continue
-        if step < 60 and reqs and rng.random() < 0.05:
-            victim = rng.choice(reqs).request_id
-            aborted |= {r.request_id for r in sched.abort_requests([victim])}
-        if step >= 40 and not sched.has_unfinished_requests():
-            break
-        out = sched.schedule()
-        assert out.num_batched_tokens <= cfg.max_num_batched_tokens and len(out.scheduled) <= cfg.max_num_seqs
-        in_flight.append((out, runner.execute(out)))
-        while len(in_flight) > int(async_scheduling):
-            sched.update(*in_flight.pop(0))
-        pool = sched.kv.block_pool
-        owned = [b for t in sched.kv.req_to_blocks.values() for b in t]
-        assert all(pool.ref_counts[b] == owned.count(b) for b in range(cfg.num_blocks))
-    else:
-        raise AssertionError("requests did not finish")
-    for late in in_flight:  # async: a step scheduled before the last update; its results are dropped
-        assert sched.update(*late) == []
-    assert sched.kv.num_free_blocks == cfg.num_blocks and sched.kv.cpu_usage == 0.0
-    done = [r for r in reqs if r.request_id not in aborted]
-    assert all(r.is_finished for r in reqs)
-    assert_matches_reference(Run({r.request_id: r for r in done}, [], sched), done, cfg.max_model_len)
