@@ -42,8 +42,14 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--trials", type=int, default=7, help="rounds over the three setups; the best round counts")
+    p.add_argument("--engine", action="store_true",
+                   help="instead: LLMEngine throughput at PP N, stage after stage vs N steps in flight")
+    p.add_argument("--requests", type=int, default=16, help="--engine: concurrent requests")
+    p.add_argument("--output-len", type=int, default=64, help="--engine: tokens generated per request")
+    p.add_argument("--prompt-len", type=int, default=16, help="--engine: prompt tokens per request")
     a = p.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={a.devices}"
+    os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={a.devices} "
+                               + os.environ.get("XLA_FLAGS", ""))
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax
     import numpy as np
@@ -60,6 +66,8 @@ def main() -> int:
     cfg = ModelConfig("LlamaForCausalLM", vocab_size=4096, hidden_size=a.hidden, intermediate_size=a.hidden * 3,
                       num_layers=a.layers, num_heads=heads, num_kv_heads=a.devices, head_dim=a.hidden // heads)
     host = random_params(cfg)
+    if a.engine:
+        return engine_overlap(a, cfg, host)
     batch, _ = pack(SchedulerOutput(), a.tokens, 4, 4, 16)
     rows = np.zeros(4, np.int32)
     shape = (cfg.num_layers, cfg.num_kv_heads, 17, 16, cfg.head_dim)
@@ -98,6 +106,50 @@ def main() -> int:
     weights_ms, ar_ms, hop_ms = 16e9 / 864e9 * 1e3, 0.025, 0.025
     print(f"predicted Llama-3.1-8B bf16 decode step on 2 x L40S over PCIe: 1 GPU {weights_ms:.1f} ms, "
           f"TP 2 {weights_ms / 2 + 64 * ar_ms:.1f} ms, PP 2 {weights_ms + hop_ms:.1f} ms (stage after stage)")
+    return 0
+
+
+def engine_overlap(a, cfg, host) -> int:
+    """Output tokens/s of LLMEngine at PP N: stage after stage (--no-async-scheduling) against N steps
+    in flight (--async-scheduling: disjoint requests, so stage s runs one step while stage s+1 runs
+    the one before), with one device and TP N beside them; alternating rounds, the best counts."""
+    from pathlib import Path
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.weights.loader import LoadedModel
+
+    model = LoadedModel(cfg, jax.tree.map(jnp.asarray, host), None, "bench-pp", Path("."))
+    common = dict(max_model_len=a.prompt_len + a.output_len, max_num_seqs=a.requests, enable_chunked_prefill=True,
+                  max_num_batched_tokens=512, block_size=16,
+                  kv_cache_dtype="auto", kv_cache_memory=64 << 20, compilation_cache_dir="")
+    setups = {"1 device": dict(), f"TP {a.devices}": dict(tensor_parallel_size=a.devices),
+              f"PP {a.devices}, stage after stage": dict(pipeline_parallel_size=a.devices, async_scheduling=False),
+              f"PP {a.devices}, {a.devices} steps in flight": dict(pipeline_parallel_size=a.devices,
+                                                                  async_scheduling=True)}
+    engines = {name: LLMEngine(EngineArgs(**common, **kw), model=model, progress=False) for name, kw in setups.items()}
+    params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + j) % 4000 + 10 for j in range(a.prompt_len)] for i in range(a.requests)]
+    best = dict.fromkeys(engines, 0.0)
+    for trial in range(a.trials + 1):  # round 0 warms the host paths up
+        for name, engine in engines.items():
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{trial}-{i}", prompt, params)
+            t0, steps = time.perf_counter(), 0
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            rate = a.requests * a.output_len / (time.perf_counter() - t0)
+            best[name] = max(best[name], rate) if trial else 0.0
+    print(f"LLMEngine, {a.layers} layers x hidden {a.hidden}, {a.requests} requests x {a.output_len} tokens "
+          f"({a.prompt_len}-token prompts), {a.devices} fake CPU devices, best of {a.trials} rounds:")
+    base = best[f"PP {a.devices}, stage after stage"]
+    for name, rate in best.items():
+        print(f"  {name:32s} {rate:8.1f} tok/s  ({rate / base:.2f}x PP stage after stage)")
     return 0
 
 

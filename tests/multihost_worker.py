@@ -1,8 +1,11 @@
 """One process of tests/test_multihost.py: a rank of a two-process jax.distributed run over gloo,
 or the single-process reference. Writes one JSON file.
 
-    python -m tests.multihost_worker reference MODEL_DIR OUT.json          (1 device, no mesh)
-    python -m tests.multihost_worker rank MODEL_DIR OUT.json PORT RANK     (2 processes, TP 2 over both)
+    python -m tests.multihost_worker reference MODEL_DIR OUT.json [pp]     (1 device, no mesh)
+    python -m tests.multihost_worker rank MODEL_DIR OUT.json PORT RANK [pp] (2 processes: TP 2 over both,
+                                                                            or with pp: PP 2, a stage each)
+
+The pp runs preempt by recomputation (pipeline stages refuse swap), the others by swapping.
 
 Rank 0 drives LLMEngine.step() itself (no HTTP); rank 1 follows with multihost.follow.
 """
@@ -21,6 +24,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # num_gpu_blocks_override keeps the block count, and so the schedule, the same at TP 1 and TP 2.
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=12,
               block_size=8, dtype="float32", preemption_mode="swap", swap_space=0.01, compilation_cache_dir="")
+# Pipeline stages: the same small pool, preempting by recomputation.
+ENGINE_PP = {**ENGINE, "preemption_mode": "recompute", "swap_space": 0}
 PROMPTS = [[(11 * i + 3 * j) % 900 + 20 for j in range(4 + 3 * i)] for i in range(6)]
 MAX_TOKENS = 24
 WORKER_TIMEOUT_S = 240  # a rank 1 that hears nothing from rank 0 for this long fails instead of hanging
@@ -59,8 +64,17 @@ def drive(engine) -> dict:
                 compiles_after_warmup=stats.num_compilations_after_warmup)
 
 
+def local_bytes(*trees) -> int:
+    """Bytes of `trees` held on this process's devices."""
+    import jax
+
+    return sum(s.data.nbytes for t in trees for x in jax.tree.leaves(t) for s in x.addressable_shards)
+
+
 def main(argv: list[str]) -> None:
     mode, model_dir, out_path = argv[:3]
+    pp = argv[-1] == "pp"
+    engine_kw = ENGINE_PP if pp else ENGINE
     from jaxserve.engine.args import EngineArgs
 
     if mode == "reference":
@@ -68,14 +82,15 @@ def main(argv: list[str]) -> None:
 
         from jaxserve.engine.llm_engine import LLMEngine
 
-        result = drive(LLMEngine(EngineArgs(model=model_dir, **ENGINE), progress=False))
+        result = drive(LLMEngine(EngineArgs(model=model_dir, **engine_kw), progress=False))
         result["num_devices"] = jax.device_count()
     else:
         port, rank = argv[3:5]
         from jaxserve.worker import multihost
 
-        args = EngineArgs(model=model_dir, tensor_parallel_size=2, num_hosts=2, host_rank=int(rank),
-                          coordinator=f"127.0.0.1:{port}", **ENGINE)
+        layout = dict(pipeline_parallel_size=2) if pp else dict(tensor_parallel_size=2)
+        args = EngineArgs(model=model_dir, num_hosts=2, host_rank=int(rank), coordinator=f"127.0.0.1:{port}",
+                          **layout, **engine_kw)
         multihost.initialize(args)
         import jax
 
@@ -91,10 +106,17 @@ def main(argv: list[str]) -> None:
             result = dict(steps_run=multihost.follow(engine, timeout_s=WORKER_TIMEOUT_S),
                           compiles_after_warmup=engine.get_stats().num_compilations_after_warmup)
         result.update(process_count=jax.process_count(), num_devices=jax.device_count(),
-                      local_devices=jax.local_device_count(),
-                      mesh_processes=sorted({d.process_index for d in engine.mesh.devices.flat}),
-                      wq_shard=list(engine.model.params["layers"]["wq"].addressable_shards[0].data.shape),
-                      wq_shape=list(engine.model.params["layers"]["wq"].shape))
+                      local_devices=jax.local_device_count())
+        if pp:  # what this process holds: its stage's layers and KV pool, nothing of the other stage
+            result.update(stage_processes=[sorted({d.process_index for d in m.devices.flat})
+                                           for m in engine.pipeline.meshes],
+                          local_bytes=local_bytes(engine.pipeline.params, engine.runner.kv),
+                          stage_bytes=[local_bytes(sp, engine.runner.kv[2 * s: 2 * s + 2])
+                                       for s, sp in enumerate(engine.pipeline.params)])
+        else:
+            result.update(mesh_processes=sorted({d.process_index for d in engine.mesh.devices.flat}),
+                          wq_shard=list(engine.model.params["layers"]["wq"].addressable_shards[0].data.shape),
+                          wq_shape=list(engine.model.params["layers"]["wq"].shape))
         jax.distributed.shutdown()
     with open(out_path, "w") as f:
         json.dump(result, f)

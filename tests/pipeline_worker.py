@@ -80,6 +80,7 @@ def check_tiny() -> dict:
                          for s, (a, b) in enumerate(ranges) for d in range(tp)}
             results[f"{name}/tp{tp}/pp{pp}" + ("/async" if overlap else "")] = dict(
                 equal=tokens == reference, tokens=tokens, reference=reference,
+                compiles_after_warmup=engine.get_stats().num_compilations_after_warmup,
                 weights=held["weights"] == expect_w, kv=held["kv"] == expect_kv,
                 held=held, expect_weights=expect_w, expect_kv=expect_kv)
     return results

@@ -88,6 +88,7 @@ class Run:
     outputs: dict[str, Request]
     steps: list[SchedulerOutput]
     sched: Scheduler
+    max_sampling_in_flight: int = 0  # most steps with sampled rows in flight at once
 
 
 def make_request(rid: str, prompt: list[int], arrival: float = 0.0, parent: str | None = None,
@@ -100,13 +101,16 @@ def make_request(rid: str, prompt: list[int], arrival: float = 0.0, parent: str 
 def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: int = 5000,
         check: bool = True, async_scheduling: bool = False) -> Run:
     """Drive schedule/execute/update; `arrivals` are (step, request) pairs. With
-    `async_scheduling`, step N's update comes after step N+1 was scheduled and executed."""
+    `async_scheduling`, step N's update comes after step N+1 was scheduled and executed; with
+    `cfg.pipeline_depth` P > 1 too, after step N+P-1 (as LLMEngine keeps P steps in flight)."""
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     pending = sorted(arrivals, key=lambda a: a[0])
     by_id = {r.request_id: r for _, r in arrivals}
     done: dict[str, Request] = {}
     steps = []
     in_flight: list[tuple[SchedulerOutput, ModelOutput]] = []
+    keep = (max(2, cfg.pipeline_depth) - 1) if async_scheduling else 0  # steps left in flight after a step
+    most_sampling = 0
 
     def apply(out: SchedulerOutput, model_out: ModelOutput) -> None:
         for update in sched.update(out, model_out):
@@ -134,16 +138,20 @@ def run(cfg: SchedulerConfig, arrivals: list[tuple[int, Request]], max_steps: in
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
         assert len(out.scheduled) <= cfg.max_num_seqs
         assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
+        if cfg.pipeline_depth > 1:  # a request waits for its sampled step's update before it runs again
+            busy = {s.request_id for o, _ in in_flight for s in o.scheduled if s.sample}
+            assert not busy & {s.request_id for s in out.scheduled}, (busy, out.scheduled)
         steps.append(out)
         in_flight.append((out, runner.execute(out)))
-        while len(in_flight) > int(async_scheduling):
+        most_sampling = max(most_sampling, sum(any(s.sample for s in o.scheduled) for o, _ in in_flight))
+        while len(in_flight) > keep:
             apply(*in_flight.pop(0))
     else:
         raise AssertionError("requests did not finish")
     if check:
         assert sched.kv.num_free_blocks == cfg.num_blocks, "pool fully free at the end"
         assert sched.kv.cpu_usage == 0.0
-    return Run(done, steps, sched)
+    return Run(done, steps, sched, most_sampling)
 
 
 def assert_matches_reference(result: Run, requests: list[Request], max_model_len: int) -> None:

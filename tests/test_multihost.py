@@ -83,18 +83,53 @@ def reference(model_dir, tmp_path_factory) -> dict:
     return ref
 
 
-def test_two_processes_tensor_parallel_match_one_process(model_dir, reference, tmp_path):
+def run_two_ranks(model_dir: Path, tmp: Path, *extra: str) -> tuple[dict, dict]:
     port = free_port()
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    outs = [tmp / f"rank{r}.json" for r in range(2)]
     run_ranks([[sys.executable, "-m", "tests.multihost_worker", "rank", str(model_dir), str(outs[r]), str(port),
-                str(r)] for r in range(2)], tmp_path)
+                str(r), *extra] for r in range(2)], tmp)
     leader, follower = (json.loads(o.read_text()) for o in outs)
     for r in (leader, follower):
         assert r["process_count"] == 2 and r["num_devices"] == 2 and r["local_devices"] == 1
+        assert r["compiles_after_warmup"] == 0  # the warm-up lined up on both ranks
+    return leader, follower
+
+
+def test_two_processes_tensor_parallel_match_one_process(model_dir, reference, tmp_path):
+    leader, follower = run_two_ranks(model_dir, tmp_path)
+    for r in (leader, follower):
         assert r["mesh_processes"] == [0, 1]  # one mesh over both processes' devices
         assert r["wq_shard"][-1] * 2 == r["wq_shape"][-1]  # each process holds half of each split weight
-        assert r["compiles_after_warmup"] == 0  # the warm-up lined up on both ranks
     assert follower["steps_run"] == leader["steps_sent"] == leader["steps"] == reference["steps"]
+    assert_same_results(leader, reference)
+
+
+@pytest.fixture(scope="module")
+def reference_pp(model_dir, tmp_path_factory) -> dict:
+    """The pipeline runs' requests (preempted by recomputation) in one process on one device."""
+    tmp = tmp_path_factory.mktemp("reference_pp")
+    out = tmp / "ref.json"
+    run_ranks([[sys.executable, "-m", "tests.multihost_worker", "reference", str(model_dir), str(out), "pp"]], tmp)
+    ref = json.loads(out.read_text())
+    assert ref["num_devices"] == 1 and ref["num_preemptions"] > 0  # recomputation is exercised
+    return ref
+
+
+def test_two_processes_pipeline_a_stage_each_match_one_process(model_dir, reference_pp, tmp_path):
+    """PP 2 over two processes (gloo): stage 0 (embedding, layer 0) on rank 0, stage 1 (layer 1, LM
+    head, sampler) on rank 1; the residual stream and the sampled tokens cross by collectives."""
+    leader, follower = run_two_ranks(model_dir, tmp_path, "pp")
+    for r in (leader, follower):
+        assert r["stage_processes"] == [[0], [1]]
+    # each process holds only its own stage's weights and KV pool
+    assert leader["stage_bytes"][0] > 0 and leader["stage_bytes"][1] == 0
+    assert follower["stage_bytes"][1] > 0 and follower["stage_bytes"][0] == 0
+    assert leader["local_bytes"] == leader["stage_bytes"][0] and follower["local_bytes"] == follower["stage_bytes"][1]
+    assert follower["steps_run"] == leader["steps_sent"] == leader["steps"] == reference_pp["steps"]
+    assert_same_results(leader, reference_pp)
+
+
+def assert_same_results(leader: dict, reference: dict) -> None:
     assert leader["num_preemptions"] == reference["num_preemptions"]
     assert leader["results"].keys() == reference["results"].keys()
     for rid, ref in reference["results"].items():

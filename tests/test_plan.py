@@ -168,8 +168,6 @@ def test_engine_refuses_before_loading_when_the_weights_cannot_fit(monkeypatch):
     kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096, tensor_parallel_size=2), cfg, 2)
 
 
-def test_pipeline_parallel_is_refused_with_data_parallel_or_several_hosts():
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        EngineArgs(pipeline_parallel_size=2, data_parallel_size=2)
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        EngineArgs(pipeline_parallel_size=2, num_hosts=2)
+def test_pipeline_parallel_is_accepted_with_data_parallel_and_several_hosts():
+    assert EngineArgs(pipeline_parallel_size=2, data_parallel_size=2).data_parallel_size == 2
+    assert EngineArgs(pipeline_parallel_size=2, num_hosts=2, host_rank=0).num_hosts == 2

@@ -54,6 +54,39 @@ def test_mixed_workload_matches_reference(mode: str, chunked: bool, caching: boo
         assert any(not s.sample for out in result.steps for s in out.scheduled)
 
 
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize("mode, chunked, caching, num_blocks", [WORKLOADS[2], WORKLOADS[5]])
+def test_pipeline_steps_in_flight_hold_disjoint_requests(depth: int, mode: str, chunked: bool, caching: bool,
+                                                         num_blocks: int) -> None:
+    """Pipeline stages (pipeline_depth P): P steps in flight, a request in at most one of them with a
+    sampled row (the harness asserts it), each step a share of the runnable requests, so that P
+    sampling steps are in flight at once; outputs still the reference's."""
+    rng = random.Random(depth)
+    cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, max_num_seqs=8,
+                          max_num_batched_tokens=32 if chunked else 64, max_model_len=64,
+                          enable_chunked_prefill=chunked, enable_prefix_caching=caching,
+                          preemption_mode=mode, pipeline_depth=depth)
+    reqs = [make_request(f"r{i}", random_prompt(rng, 1, 40), arrival=float(i), max_tokens=rng.randint(4, 20),
+                         ignore_eos=True) for i in range(24)]
+    result = run(cfg, [(rng.randint(0, 10), r) for r in reqs], async_scheduling=True)
+    assert_matches_reference(result, reqs, cfg.max_model_len)
+    assert result.max_sampling_in_flight == depth
+
+
+@pytest.mark.parametrize("depth", [2, 3, 4])
+def test_pipeline_steps_split_the_running_requests_evenly(depth: int) -> None:
+    """12 requests decoding with P steps in flight: each step takes ceil(12 / P) of them, not all
+    (which would leave the other stages idle), and every request gets its reference output."""
+    cfg = SchedulerConfig(num_blocks=200, block_size=4, max_num_seqs=12, max_num_batched_tokens=64,
+                          max_model_len=64, pipeline_depth=depth)
+    reqs = [make_request(f"r{i}", [i + 1, 2, 3], max_tokens=16, ignore_eos=True) for i in range(12)]
+    result = run(cfg, [(0, r) for r in reqs], async_scheduling=True)
+    assert_matches_reference(result, reqs, cfg.max_model_len)
+    sizes = [len(o.scheduled) for o in result.steps if o.scheduled]
+    share = -(-12 // depth)
+    assert max(sizes) == share and sizes.count(share) >= depth * 10, sizes
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_random_configs_with_forks_and_aborts(seed: int) -> None:
     """Everything at once: random pool/budget/mode, parallel samples, aborts mid-flight; even

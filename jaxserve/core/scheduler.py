@@ -67,6 +67,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self._in_flight: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests, until update
         self._ended_unscheduled: list[RequestUpdate] = []  # aborted at admission (grammar), for update()
+        self._step_max_seqs = config.max_num_seqs  # requests the step being scheduled may take
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -161,6 +162,7 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._fork_pending()
+        self._step_max_seqs = self._seqs_this_step()
         out = SchedulerOutput()
         preempted = self._schedule_running(out)
         if not preempted:
@@ -177,8 +179,19 @@ class Scheduler:
             return min(num_new, budget)
         return num_new if num_new <= budget else 0
 
+    def _seqs_this_step(self) -> int:
+        """max_num_seqs; with pipeline stages, this step's share of the runnable requests, so
+        that the steps in flight split them evenly instead of the first taking them all."""
+        depth = self.config.pipeline_depth
+        if depth == 1:
+            return self.config.max_num_seqs
+        runnable = (sum(r.num_output_placeholders == 0 for r in self.running) + self._num_waiting()
+                    + len(self.swapped))
+        free_slots = max(1, depth - len(self._in_flight))
+        return max(1, min(self.config.max_num_seqs, -(-runnable // free_slots)))
+
     def _room(self, out: SchedulerOutput, budget: int) -> bool:
-        return budget > 0 and len(out.scheduled) < self.config.max_num_seqs
+        return budget > 0 and len(out.scheduled) < self._step_max_seqs
 
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         """Returns True if anything was preempted."""
@@ -220,9 +233,11 @@ class Scheduler:
         """Async scheduling: whether a running request may be scheduled while its last step is on
         the device. Not when that step carried drafts (its next position is unknown), when the
         sampler needs its whole history (penalties) or its grammar state (a token bitmask), or when
-        the in-flight tokens reach its end."""
+        the in-flight tokens reach its end; never with pipeline stages (pipeline_depth > 1)."""
         if req.num_output_placeholders == 0:
             return True
+        if self.config.pipeline_depth > 1:
+            return False
         params = req.sampling_params
         return not (req.drafts_in_flight or params.needs_penalties or params.needs_token_mask
                     or req.num_tokens >= req.max_total_tokens(self.config.max_model_len))

@@ -34,6 +34,11 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = "recompute"
     num_cpu_blocks: Annotated[int, Field(ge=0)] = 0  # host swap pool, used by preemption_mode="swap"
     speculative: SpeculativeConfig | None = None  # n-gram drafts for greedy decoding requests
+    # Pipeline stages with async scheduling: up to this many steps in flight, holding disjoint
+    # requests, so that stage s runs one while stage s+1 runs the one before (vLLM keeps P batches
+    # in flight). A request with a step in flight then waits for its update, and a step takes its
+    # share of the runnable requests: ceil(runnable / free slots). 1: no pipeline.
+    pipeline_depth: PositiveInt = 1
 
     @model_validator(mode="after")
     def _check_together(self) -> "SchedulerConfig":

@@ -58,7 +58,7 @@ class EngineArgs:
     # JAX's persistent compilation cache: a restart loads the compiled buckets instead of compiling.
     # "" disables it.
     compilation_cache_dir: str | None = "~/.cache/jaxserve/xla"
-    num_hosts: Positive = 1  # processes joined by jax.distributed; > 1: one tensor-parallel mesh over all of them
+    num_hosts: Positive = 1  # processes joined by jax.distributed; > 1: one replica (TP mesh or PP stages) over all
     # This process's rank; None: from the cluster environment (SLURM, ...).
     host_rank: Annotated[int, Field(ge=0)] | None = None
     coordinator: str | None = None  # ADDR:PORT of rank 0's coordinator; None: $JAX_COORDINATOR_ADDRESS
@@ -77,10 +77,6 @@ class EngineArgs:
                                             self.num_hosts) != (1, 1, 1):
             raise ValueError("quantization int8 runs on one device: tensor_parallel_size, data_parallel_size and "
                              "num_hosts must be 1")
-        # Stages on sub-meshes of this process's devices (parallel/pipeline.py); not yet per replica or host.
-        if self.pipeline_parallel_size > 1 and (self.data_parallel_size, self.num_hosts) != (1, 1):
-            raise ValueError("pipeline_parallel_size > 1 runs in one process without data parallelism for now: "
-                             "data_parallel_size and num_hosts must be 1")
         if self.host_rank is not None and self.num_hosts > 1 and self.host_rank >= self.num_hosts:
             raise ValueError(f"host_rank must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
         if self.coordinator is not None and not self.coordinator.rpartition(":")[2].isdigit():

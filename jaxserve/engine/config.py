@@ -12,6 +12,7 @@ and returned (nothing is written back into EngineArgs):
         kv_cache_dtype          the flag, or the platform's default: bfloat16 on CPU, auto elsewhere
         platform_defaults       what the platform chose of these because the flag was not set, and why
         speculative             the speculative_config dict parsed
+        async_scheduling        the flag, or on for accelerators (one host), off on CPU
     config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
     config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
 """
@@ -40,6 +41,7 @@ class EngineConfig:
     kv_cache_dtype: str = sizing.ACCELERATOR_KV_CACHE_DTYPE
     platform_defaults: tuple[str, ...] = ()  # "flag value" for each default the platform picked
     speculative: SpeculativeConfig | None = None
+    async_scheduling: bool = False  # the flag, or on for accelerators with one host, off on CPU
     num_gpu_blocks: int = 0  # 0 until with_blocks(): the KV pool is sized after the model is loaded
     num_cpu_blocks: int = 0  # the host swap pool (preemption_mode="swap")
 
@@ -59,7 +61,8 @@ class EngineConfig:
                    max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
                    attention_backend=resolve_attention_backend(args.attention_backend, platform),
                    block_size=block_size, kv_cache_dtype=kv_cache_dtype, platform_defaults=chosen,
-                   speculative=SpeculativeConfig.parse(args.speculative_config))
+                   speculative=SpeculativeConfig.parse(args.speculative_config),
+                   async_scheduling=_async_scheduling(args, on_cpu))
 
     @property
     def min_blocks(self) -> int:
@@ -75,7 +78,14 @@ class EngineConfig:
             num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
-            preemption_mode=a.preemption_mode, num_cpu_blocks=self.num_cpu_blocks, speculative=self.speculative)
+            preemption_mode=a.preemption_mode, num_cpu_blocks=self.num_cpu_blocks, speculative=self.speculative,
+            pipeline_depth=a.pipeline_parallel_size if self.async_scheduling else 1)
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps issued and not yet read back: 1 synchronous; async scheduling keeps one on the device
+        while the next is scheduled; P pipeline stages keep P (disjoint requests), one per stage."""
+        return max(2, self.args.pipeline_parallel_size) if self.async_scheduling else 1
 
     def runner_config(self) -> RunnerConfig:
         a = self.args
@@ -83,3 +93,13 @@ class EngineConfig:
             num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype)
+
+
+def _async_scheduling(args: EngineArgs, on_cpu: bool) -> bool:
+    """Off on CPU, where host and "device" share the same cores (BENCHMARKS.md); on elsewhere."""
+    if args.async_scheduling is None:
+        return not on_cpu and args.num_hosts == 1
+    if args.async_scheduling and args.num_hosts > 1:
+        # Every rank must read the sampled ids (a collective) at the same point of the step order.
+        raise ValueError("async_scheduling: not supported with num_hosts > 1; use --no-async-scheduling")
+    return args.async_scheduling

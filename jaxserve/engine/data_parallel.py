@@ -1,5 +1,5 @@
 """Data parallelism: M independent engine replicas, each on its own (data=1, model=tp) slice
-of the devices, behind one server. A request goes to the replica with the fewest requests in
+of the devices (with pipeline stages: its own run of tp x pp devices), behind one server. A request goes to the replica with the fewest requests in
 flight and stays there; the replicas share nothing, so they need no collectives at all."""
 
 from __future__ import annotations
@@ -35,9 +35,14 @@ class DataParallelAsyncLLM:
                          progress: bool = True) -> "DataParallelAsyncLLM":
         parallel.check_parallel_config(args.tensor_parallel_size, args.data_parallel_size,
                                        args.pipeline_parallel_size, jax.device_count())
-        mesh = parallel.make_mesh(args.tensor_parallel_size, args.data_parallel_size)
         model = model or load_model(args.model, args.dtype, progress)  # once; each replica shards its copy
-        engines = [LLMEngine(args, model=model, progress=progress, mesh=m) for m in parallel.replica_meshes(mesh)]
+        if args.pipeline_parallel_size > 1:  # replica i: the i-th run of tp x pp devices, split into its stages
+            n = args.tensor_parallel_size * args.pipeline_parallel_size
+            engines = [LLMEngine(args, model=model, progress=progress, devices=jax.devices()[i * n:(i + 1) * n])
+                       for i in range(args.data_parallel_size)]
+        else:
+            mesh = parallel.make_mesh(args.tensor_parallel_size, args.data_parallel_size)
+            engines = [LLMEngine(args, model=model, progress=progress, mesh=m) for m in parallel.replica_meshes(mesh)]
         for e in engines:  # the compile counter is per process: serving starts after the last warm-up
             e.compilations_at_warmup = num_compilations()
         return cls([AsyncLLM(e) for e in engines])

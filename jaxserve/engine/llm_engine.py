@@ -12,12 +12,13 @@ prompt blocks. The output processor gathers them back into one RequestOutput.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import gc
 import os
 import functools
 import time
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,9 @@ PromptType = str | list[int] | dict
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True,
-                 mesh: Mesh | None = None) -> None:
-        """`mesh`: this replica's devices (axes data=1, model=tp); built from args when None."""
+                 mesh: Mesh | None = None, devices: Sequence[jax.Device] | None = None) -> None:
+        """`mesh`: this replica's devices (axes data=1, model=tp); built from args when None.
+        `devices`: with pipeline stages, this replica's tp x pp devices; the first ones when None."""
         t0 = time.perf_counter()
         self.args = args
         if args.compilation_cache_dir:
@@ -58,10 +60,10 @@ class LLMEngine:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         # "" turns it off for this engine's compiles (the setting is process-wide).
         jax.config.update("jax_enable_compilation_cache", bool(args.compilation_cache_dir))
-        if args.data_parallel_size > 1 and mesh is None:
+        if args.data_parallel_size > 1 and mesh is None and devices is None:
             raise ValueError("data_parallel_size: one LLMEngine is one replica; data parallelism runs "
                              "several behind the server (`jaxserve serve --data-parallel-size N`)")
-        if mesh is None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
+        if mesh is None and devices is None and (args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1):
             parallel.check_parallel_config(args.tensor_parallel_size, 1, args.pipeline_parallel_size,
                                            jax.device_count())
             # Pipeline stages get a sub-mesh each (parallel/pipeline.py) instead of one mesh.
@@ -81,7 +83,7 @@ class LLMEngine:
             params = quantize_params(model.params, model.config, args.quantization, ids)
             model = dataclasses.replace(model, params=params)
         self.model_dtype = model.params["embed"].dtype
-        self.pipeline = self._pipeline(model) if args.pipeline_parallel_size > 1 else None
+        self.pipeline = self._pipeline(model, devices) if args.pipeline_parallel_size > 1 else None
         if self.pipeline is not None:  # the engine keeps the last stage's params: the sampler's
             model = dataclasses.replace(model, params=self.pipeline.sampler_params)
         self.model = model
@@ -113,8 +115,8 @@ class LLMEngine:
         gc.freeze()
         self._rng = np.random.default_rng(args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.async_scheduling = _use_async_scheduling(args)
-        self._in_flight: tuple[SchedulerOutput, PendingStep] | None = None  # async: the step on the device
+        self.async_scheduling = self.config.async_scheduling
+        self._in_flight: collections.deque[tuple[SchedulerOutput, PendingStep]] = collections.deque()
 
     def _size_kv(self, config: EngineConfig, mesh: Mesh | None) -> EngineConfig:
         """`config` with its KV pools sized (worker/sizing.py's arithmetic, which `jaxserve plan` shares):
@@ -228,16 +230,24 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One step; with async scheduling, step N+1 is scheduled and issued before step N's
-        results are read, so the device never waits for the host's update and output work."""
+        results are read, so the device never waits for the host's update and output work.
+        With P pipeline stages, up to P steps are in flight, one per stage."""
         out = self.scheduler.schedule()
         # None when no row is constrained; a constrained request never has a step in flight here
         # (Scheduler._ready), so its matcher has seen every token before its mask is filled.
         out.token_bitmask = self.scheduler.structured.fill_bitmask(out.scheduled)
         if not self.async_scheduling:
             return self._update(out, self.runner.execute(out))
-        pending = self.runner.execute_async(out)
-        previous, self._in_flight = self._in_flight, (out, pending)
-        return self._update(previous[0], previous[1].result()) if previous is not None else []
+        self._in_flight.append((out, self.runner.execute_async(out)))
+        # Read the oldest step back when the pipe is full, or when nothing new could be scheduled
+        # (every runnable request waits on a step in flight); empty steps are read on the way.
+        wait = len(self._in_flight) >= self.config.max_steps_in_flight or not out.scheduled
+        outputs: list[RequestOutput] = []
+        while self._in_flight and (wait or not self._in_flight[0][0].scheduled):
+            done, pending = self._in_flight.popleft()
+            outputs += self._update(done, pending.result())
+            wait = wait and not done.scheduled
+        return outputs
 
     def _update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
         updates = self.scheduler.update(out, model_out)
@@ -252,7 +262,7 @@ class LLMEngine:
                            num_compilations_after_warmup=compiles - self.compilations_at_warmup,
                            num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks)
 
-    def _pipeline(self, model: LoadedModel) -> "parallel.pipeline.Pipeline":
+    def _pipeline(self, model: LoadedModel, devices: Sequence[jax.Device] | None) -> "parallel.pipeline.Pipeline":
         """Split the loaded params into stages on their own devices (from host copies, so the
         one-device load does not stay resident beside them)."""
         from jaxserve.parallel.pipeline import build_pipeline, host_params
@@ -260,7 +270,8 @@ class LLMEngine:
         if self.args.preemption_mode == "swap":
             raise ValueError("preemption_mode: swap is not supported with pipeline_parallel_size > 1; use recompute")
         return build_pipeline(host_params(model.params), model.config, self.args.tensor_parallel_size,
-                              self.args.pipeline_parallel_size, backend=resolve_backend(self.args.attention_backend))
+                              self.args.pipeline_parallel_size, devices,
+                              backend=resolve_backend(self.args.attention_backend))
 
     def startup_report(self) -> str:
         per_req = -(-self.max_model_len // self.block_size)
@@ -285,15 +296,6 @@ def platform_defaults_note(config: EngineConfig) -> str:
             f"perplexity within 0.1% of float32; BENCHMARKS.md). The exact float32 configuration, the one "
             f"held to transformers: --block-size {sizing.ACCELERATOR_BLOCK_SIZE} "
             f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE}")
-
-
-def _use_async_scheduling(args: EngineArgs) -> bool:
-    if args.async_scheduling is None:
-        return jax.default_backend() != "cpu" and args.num_hosts == 1
-    if args.async_scheduling and args.num_hosts > 1:
-        # Every rank must read the sampled ids (a collective) at the same point of the step order.
-        raise ValueError("async_scheduling: not supported with num_hosts > 1; use --no-async-scheduling")
-    return args.async_scheduling
 
 
 def _read_template(value: str) -> str:

@@ -77,7 +77,7 @@ _HELP = {
     "attention_backend": "auto: Pallas kernels on GPU, the XLA path on CPU (reference: old name of xla)",
     "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",
     "compilation_cache_dir": "JAX persistent compilation cache directory",
-    "num_hosts": "processes (hosts) joined by jax.distributed into one tensor-parallel mesh; rank 0 serves HTTP",
+    "num_hosts": "processes (hosts) joined by jax.distributed into one replica (a TP mesh, or a PP stage per host); rank 0 serves HTTP",
     "host_rank": "this host's rank, 0 .. num_hosts - 1; None: from the cluster environment",
     "coordinator": "ADDR:PORT of rank 0's jax.distributed coordinator; None: $JAX_COORDINATOR_ADDRESS",
     "speculative_config": "JSON, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' drafts "

@@ -13,6 +13,13 @@ finished; the sampler then runs on the last stage's devices with its params. The
 worker/sizing.py's `stage_layer_ranges` (uneven counts: the extra layers in the middle stages),
 the same one `jaxserve plan` sizes. Within tensor parallelism each stage is split as usual
 (parallel/specs.py); the scheduler does not know about stages.
+
+Stages on several hosts (jax.distributed, a stage per host as over Ethernet): every process
+issues every stage's program, and a process holding none of a stage's devices skips its
+work. JAX cannot `device_put` between processes on every backend (not on the CPU), so there
+the residual stream moves by a `shard_map` program over the two stages' devices whose
+`ppermute` is the transfer (NCCL on GPUs, gloo on CPUs), and the sampler's outputs are
+all-gathered onto every stage, so that rank 0 (stage 0) reads what the last stage sampled.
 """
 
 from __future__ import annotations
@@ -89,6 +96,26 @@ class Pipeline:
                  for m, c in zip(self.meshes, self.stage_configs)]
         return tuple(x for pool in pools for x in pool)
 
+    @functools.cached_property
+    def multi_process(self) -> bool:
+        """The stages span several processes (jax.distributed): transfers go through collectives."""
+        return len({d.process_index for m in self.meshes for d in m.devices.flat}) > 1
+
+    def to_stage(self, x, s: int):
+        """`x` (host data, or an array replicated on another stage's devices) onto stage s's devices."""
+        replicated = NamedSharding(self.meshes[s], P())
+        if not self.multi_process or not isinstance(x, jax.Array):
+            return jax.device_put(x, replicated)
+        src = next(i for i, m in enumerate(self.meshes) if set(m.devices.flat) == set(x.sharding.device_set))
+        return _hop(x, self.meshes[src], self.meshes[s])
+
+    def publish(self, tree):
+        """The last stage's outputs replicated onto every stage's devices, so every process (rank 0
+        above all) reads them locally; as is within one process."""
+        if not self.multi_process:
+            return tree
+        return jax.tree.map(lambda x: _all_stages(x, self.meshes), tree)
+
     def per_stage(self, fn):
         """`fn(pool, *args) -> pool` (a block copy) applied to each stage's (K, V) on its own devices."""
         def apply(kv: tuple[jax.Array, ...], *args) -> tuple[jax.Array, ...]:
@@ -99,15 +126,16 @@ class Pipeline:
         """The model step over all stages: (kv, hidden rows [P, hidden], hidden [T, hidden]).
         `params` is ignored (the stages hold theirs); the signature is model_runner's step's."""
         del params
+        if not np.any(batch.prev_rows >= 0):  # no id from the sampler: stage 0 must not wait for it
+            prev_tokens = np.zeros(prev_tokens.shape, np.int32)
         new_kv: list[jax.Array] = []
         h = None
         last = len(self.ranges) - 1
-        for s, (sp, cfg, mesh) in enumerate(zip(self.params, self.stage_configs, self.meshes)):
-            replicated = NamedSharding(mesh, P())
+        for s, (sp, cfg) in enumerate(zip(self.params, self.stage_configs)):
             if h is not None:  # the residual stream to this stage's devices
-                h = jax.device_put(h, replicated)
+                h = self.to_stage(h, s)
             else:  # the last sampled ids come from the sampler, on the last stage's devices
-                prev_tokens = jax.device_put(prev_tokens, replicated)
+                prev_tokens = self.to_stage(prev_tokens, s)
             out = _stage_step(sp, (kv[2 * s], kv[2 * s + 1]), h, batch, rows, prev_tokens, cfg=cfg, backend=self.backend,
                               first=s == 0, last=s == last)
             new_kv += out[0]
@@ -127,12 +155,67 @@ def build_pipeline(params: dict, cfg: ModelConfig, tensor_parallel_size: int, pi
     meshes = [make_mesh(tp, 1, devices[s * tp:(s + 1) * tp]) for s in range(pp)]
     placed = []
     for sp, mesh, (a, b) in zip(split_params(params, cfg, ranges), meshes, ranges):
-        if tp == 1:  # any tree (quantized leaves too) on the stage's one device
-            placed.append(jax.device_put(sp, mesh.devices.flat[0]))
+        if tp == 1:  # any tree (quantized leaves too) on the stage's one device (maybe another process's)
+            one = mesh.devices.flat[0]
+            placed.append(jax.device_put(sp, one if one.process_index == jax.process_index()
+                                         else NamedSharding(mesh, P())))
             continue
         shardings = ModelShardings.create(mesh, dataclasses.replace(cfg, num_layers=b - a)).params
         placed.append(jax.device_put(sp, {k: shardings[k] for k in sp}))
     return Pipeline(cfg, ranges, meshes, placed, backend)
+
+
+# ---- transfers between processes ------------------------------------------------------------------
+# A stage's array replicated on its tp devices becomes one block of a [S * n, ...] array over a
+# (stage, model) mesh of the stages' devices; devices with nothing to send give zeros. One
+# collective moves the blocks; each process supplies and keeps only its own devices' shards.
+
+def _stacked(x: jax.Array, mesh: Mesh, src_devices: set) -> jax.Array:
+    """`x` (replicated on `src_devices`) as block `src` of a [S * n, ...] array sharded on "stage"."""
+    own = {s.device: s.data for s in x.addressable_shards}
+    shards = [own[d] if d in src_devices else jax.device_put(np.zeros(x.shape, x.dtype), d)
+              for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    shape = (mesh.shape["stage"] * x.shape[0], *x.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("stage")), shards, dtype=x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _union_mesh(meshes: tuple[Mesh, ...]) -> Mesh:
+    return Mesh(np.stack([m.devices.reshape(-1) for m in meshes]), ("stage", "model"))
+
+
+@functools.lru_cache(maxsize=None)
+def _hop_program(mesh: Mesh):
+    body = functools.partial(jax.lax.ppermute, axis_name="stage", perm=[(0, 1)])
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage")))
+
+
+def _replicated(x: jax.Array, mesh: Mesh) -> jax.Array:
+    return x if x.sharding.is_fully_replicated else jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, P()))(x)
+
+
+def _hop(x: jax.Array, src: Mesh, dst: Mesh) -> jax.Array:
+    """`x` on `src`'s devices -> replicated on `dst`'s: one ppermute from src to dst."""
+    mesh, x = _union_mesh((src, dst)), _replicated(x, src)
+    moved = _hop_program(mesh)(_stacked(x, mesh, set(src.devices.flat)))
+    dst_devices = set(dst.devices.flat)
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(dst, P()), [s.data for s in moved.addressable_shards if s.device in dst_devices],
+        dtype=x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _gather_program(mesh: Mesh, src: int):
+    def body(block):
+        return jax.lax.all_gather(block, "stage")[src]
+    # (the gathered block is the same on every stage; JAX does not infer that through the indexing)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P(), check_vma=False))
+
+
+def _all_stages(x: jax.Array, meshes: list[Mesh]) -> jax.Array:
+    """`x` on the last stage's devices -> replicated on every stage's: one all-gather."""
+    mesh, x = _union_mesh(tuple(meshes)), _replicated(x, meshes[-1])
+    return _gather_program(mesh, len(meshes) - 1)(_stacked(x, mesh, set(meshes[-1].devices.flat)))
 
 
 def host_params(params: dict) -> dict:

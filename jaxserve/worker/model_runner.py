@@ -137,12 +137,17 @@ class ModelRunner:
         self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows)
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
         # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
-        self._prev_tokens = jax.device_put(np.zeros(self.num_rows, np.int32))
+        # A mesh (or pipeline stages) over several processes: host inputs go to the programs as
+        # numpy (each process holds the same values), not device_put onto this process's default device.
+        self.multi_process = ((mesh is not None and not all(d.process_index == jax.process_index()
+                                                             for d in mesh.devices.flat))
+                              or (pipeline is not None and pipeline.multi_process))
+        # What the host reads of the sampler's outputs: on stages over several processes, brought
+        # from the last stage to every stage first (rank 0 schedules, on stage 0).
+        self._publish = pipeline.publish if pipeline is not None else (lambda tree: tree)
+        zeros = np.zeros(self.num_rows, np.int32)
+        self._prev_tokens = zeros if pipeline is not None and pipeline.multi_process else jax.device_put(zeros)
         self._prev_sample_rows: dict[str, int] = {}
-        # A mesh over several processes: host inputs go to the programs as numpy (each process
-        # holds the same values), not device_put onto this process's default device.
-        self.multi_process = mesh is not None and not all(d.process_index == jax.process_index()
-                                                          for d in mesh.devices.flat)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -177,9 +182,9 @@ class ModelRunner:
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
                 _gather_rows(_rows_like(full, t), q_rows)
                 bar.update(1)
-            _fetch(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows))
+            _fetch(self._publish(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows)))
             for _, md in variants:
-                _fetch(self._sample_step(self.params, hidden, self._input(md)))
+                _fetch(self._publish(self._sample_step(self.params, hidden, self._input(md))[0]))
                 bar.update(1)
             pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
             self.kv = self._copy_blocks(self.kv, np.zeros_like(pad), pad)
@@ -258,14 +263,14 @@ class ModelRunner:
         if p.sampling is None:
             return PendingStep(p, prompt_lps)
         so, self._prev_tokens = self._sample_step(self.params, hidden, self._input(p.sampling))
-        return PendingStep(p, prompt_lps, so)
+        return PendingStep(p, prompt_lps, self._publish(so))
 
     def _prompt_logprobs(self, chunks: list[PromptLogprobChunk],
                          hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
         """Logprobs of the chunks' prompt tokens, from this step's hidden states."""
         result: dict[str, dict[int, SampledToken]] = {}
         for c in chunks:
-            so = _fetch(_prompt_logprobs_step(self.params, _gather_rows(hidden, c.rows), c.targets))
+            so = _fetch(self._publish(_prompt_logprobs_step(self.params, _gather_rows(hidden, c.rows), c.targets)))
             for i, (rid, pos, tok, n) in enumerate(c.entries):
                 result.setdefault(rid, {})[pos] = _sampled(so, i, tok, n)
         return result

@@ -1,8 +1,9 @@
-"""Many hosts, one tensor-parallel mesh: JAX's multi-controller model behind one server.
+"""Many hosts, one replica: JAX's multi-controller model behind one server.
 
 Every process runs this same code; `jax.distributed` joins them and `jax.devices()`
 then lists every host's devices, so the engine's mesh (and the sharded weights and
-KV pool on it) spans all of them. Each jitted program must be issued by every
+KV pool on it) spans all of them: one tensor-parallel mesh, or pipeline stages (a
+stage per host, each stage's devices its own TP mesh; parallel/pipeline.py). Each jitted program must be issued by every
 process, in the same order, with the same host inputs; so only rank 0 schedules:
 
     rank 0: HTTP server, scheduler, LLMEngine.step()
@@ -143,12 +144,13 @@ def _agree(tag: str, value: object) -> None:
 def _build_engine(args: EngineArgs, progress: bool) -> LLMEngine:
     """The same LLMEngine on every rank: one tensor-parallel mesh over every host's devices."""
     if args.data_parallel_size > 1:
-        raise ValueError("data_parallel_size: with --num-hosts > 1 the hosts form one tensor-parallel replica; "
+        raise ValueError("data_parallel_size: with --num-hosts > 1 the hosts form one replica; "
                          "run one multi-host deployment per replica instead")
-    if args.tensor_parallel_size != jax.device_count():
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    if tp * pp != jax.device_count():
         raise ValueError(f"tensor_parallel_size: {jax.process_count()} hosts with {jax.device_count()} devices "
-                         f"in all need --tensor-parallel-size {jax.device_count()} (one mesh over every "
-                         f"device); got {args.tensor_parallel_size}")
+                         f"in all need --tensor-parallel-size x --pipeline-parallel-size = {jax.device_count()} "
+                         f"(every device in the replica); got {tp} x {pp}")
     _agree("engine arguments", dataclasses.replace(args, host_rank=None))
     engine = LLMEngine(args, progress=progress and is_leader())
     _agree("runner config", engine.runner.rc)
