@@ -22,7 +22,8 @@ the last prompt token (copy-on-write on the shared last block), sampling their
 own first token. With `speculative` set, a greedy decoding request may carry
 n-gram drafts after its last token (spec_decode.py); `update()` keeps those the
 model agreed with and leaves `num_computed_tokens` short of the rest (their KV
-slots are written again later). Pure Python, no JAX.
+slots are written again later). With steps in flight (async scheduling, pipeline
+stages), core/in_flight.py says what may be scheduled. Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
+from jaxserve.core import in_flight
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
-from jaxserve.core.spec_decode import draft_budget, propose_drafts
+from jaxserve.core.spec_decode import accept_tokens, draft_budget, propose_drafts
 from jaxserve.core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -162,7 +164,8 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._fork_pending()
-        self._step_max_seqs = self._seqs_this_step()
+        self._step_max_seqs = in_flight.seqs_this_step(self.config, self.running,
+                                                      self._num_waiting() + len(self.swapped), len(self._in_flight))
         out = SchedulerOutput()
         preempted = self._schedule_running(out)
         if not preempted:
@@ -179,17 +182,6 @@ class Scheduler:
             return min(num_new, budget)
         return num_new if num_new <= budget else 0
 
-    def _seqs_this_step(self) -> int:
-        """max_num_seqs; with pipeline stages, this step's share of the runnable requests, so
-        that the steps in flight split them evenly instead of the first taking them all."""
-        depth = self.config.pipeline_depth
-        if depth == 1:
-            return self.config.max_num_seqs
-        runnable = (sum(r.num_output_placeholders == 0 for r in self.running) + self._num_waiting()
-                    + len(self.swapped))
-        free_slots = max(1, depth - len(self._in_flight))
-        return max(1, min(self.config.max_num_seqs, -(-runnable // free_slots)))
-
     def _room(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self._step_max_seqs
 
@@ -201,7 +193,8 @@ class Scheduler:
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget) if self._ready(req) else 0
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget) if in_flight.may_schedule(
+                req, self.config) else 0
             if num_new <= 0:
                 i += 1
                 continue
@@ -228,19 +221,6 @@ class Scheduler:
             drafts_left -= len(drafts)
             i += 1
         return preempted
-
-    def _ready(self, req: Request) -> bool:
-        """Async scheduling: whether a running request may be scheduled while its last step is on
-        the device. Not when that step carried drafts (its next position is unknown), when the
-        sampler needs its whole history (penalties) or its grammar state (a token bitmask), or when
-        the in-flight tokens reach its end; never with pipeline stages (pipeline_depth > 1)."""
-        if req.num_output_placeholders == 0:
-            return True
-        if self.config.pipeline_depth > 1:
-            return False
-        params = req.sampling_params
-        return not (req.drafts_in_flight or params.needs_penalties or params.needs_token_mask
-                    or req.num_tokens >= req.max_total_tokens(self.config.max_model_len))
 
     def _room_for_drafts(self, req: Request, num_new: int, num_drafts: int, num_after: int) -> bool:
         """Drafts must not take blocks the running requests after this one may need this step
@@ -380,30 +360,18 @@ class Scheduler:
 
     def _accept(self, req: Request, sched: ScheduledRequest, model_output: ModelOutput,
                 running: bool) -> list[SampledToken]:
-        """Append the sampled token, then each draft-row token while the model agreed with the
-        draft before it; stop at the first stop condition. Returns the tokens appended.
-        `running`: False for a request preempted since the step was scheduled, whose KV is
-        recomputed (or swapped back) from its tokens anyway."""
+        """The step's sampled token and its accepted drafts appended (spec_decode.accept_tokens)."""
         token = model_output.sampled.get(req.request_id)
         if token is None:  # it would sit forever with nothing left to compute
             raise RuntimeError(f"runner sampled no token for {req.request_id!r}")
-        num_drafts = sched.num_drafts
-        tokens = [token]
-        drafts = sched.token_ids[len(sched.token_ids) - num_drafts:]
-        if num_drafts:
+        tokens, drafts = [token], sched.token_ids[len(sched.token_ids) - sched.num_drafts:]
+        if drafts:
             req.drafts_in_flight = False
             tokens += model_output.draft_sampled[req.request_id]
             self.spec_num_drafts += 1
-            self.spec_num_draft_tokens += num_drafts
-        accepted = []
-        for j, tok in enumerate(tokens):
-            req.output_token_ids.append(tok.token_id)
-            accepted.append(tok)
-            if req.check_stop(self.config.max_model_len) or j == num_drafts or drafts[j] != tok.token_id:
-                break
-            # The model's token is draft j: its KV, computed this step, holds.
-            req.num_computed_tokens += running
-            self.spec_num_accepted_tokens += 1
+            self.spec_num_draft_tokens += len(drafts)
+        accepted = accept_tokens(req, tokens, drafts, self.config.max_model_len, running)
+        self.spec_num_accepted_tokens += len(accepted) - 1
         return accepted
 
     # -- introspection ------------------------------------------------------

@@ -19,12 +19,15 @@ Pure Python, no JAX.
 from __future__ import annotations
 
 from array import array
-from typing import Annotated, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, get_args
 
 from pydantic import Field, model_validator
 
 from jaxserve.core.request import Request
 from jaxserve.core.validation import config_dataclass
+
+if TYPE_CHECKING:
+    from jaxserve.core.scheduler_output import SampledToken
 
 SpeculativeMethod = Literal["ngram"]
 SPECULATIVE_METHODS = get_args(SpeculativeMethod)
@@ -119,3 +122,19 @@ def propose_drafts(spec: SpeculativeConfig | None, req: Request, num_new: int, l
     if k <= 0:
         return []
     return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def accept_tokens(req: Request, sampled: list["SampledToken"], drafts: list[int], max_model_len: int,
+                  running: bool) -> list["SampledToken"]:
+    """Append the sampled token, then each draft row's token while the model agreed with the draft
+    before it; stop at the first stop condition. Returns the tokens appended (1 + drafts accepted).
+    `running`: False for a request preempted since the step was scheduled, whose KV is recomputed
+    (or swapped back) from its tokens anyway."""
+    accepted = []
+    for j, tok in enumerate(sampled):
+        req.output_token_ids.append(tok.token_id)
+        accepted.append(tok)
+        if req.check_stop(max_model_len) or j == len(drafts) or drafts[j] != tok.token_id:
+            break
+        req.num_computed_tokens += running  # the model's token is draft j: its KV, computed this step, holds
+    return accepted

@@ -234,7 +234,7 @@ class LLMEngine:
         With P pipeline stages, up to P steps are in flight, one per stage."""
         out = self.scheduler.schedule()
         # None when no row is constrained; a constrained request never has a step in flight here
-        # (Scheduler._ready), so its matcher has seen every token before its mask is filled.
+        # (core/in_flight.py), so its matcher has seen every token before its mask is filled.
         out.token_bitmask = self.scheduler.structured.fill_bitmask(out.scheduled)
         if not self.async_scheduling:
             return self._update(out, self.runner.execute(out))
