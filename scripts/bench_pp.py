@@ -1,26 +1,38 @@
 """Pipeline-parallel overhead against tensor parallelism at the same device count, on fake CPU devices,
-and what that predicts for a GPU pair over PCIe.
+and what that predicts for a GPU pair over PCIe; with --engine, the engine's throughput with the
+stages run one after another against P steps in flight.
 
     python scripts/bench_pp.py [--devices 2] [--layers 8] [--hidden 512] [--tokens 32] [--iters 20]
+    XLA_FLAGS=--xla_cpu_multi_thread_eigen=false python scripts/bench_pp.py --engine \
+        [--requests 16] [--prompt-len 512] [--output-len 4]
 
-It times one model step (random weights, Llama-shaped, float32, an empty padded batch of --tokens
-tokens: all the matmuls, no attention work) on 1 device, on TP N (one mesh, XLA's all-reduces) and
-on PP N (parallel/pipeline.py: a program per stage, the residual stream device_put between stages).
-Fake CPU devices share the host's cores: TP N splits each matmul over them (so it can beat one
-device on a multi-core host), while PP N runs its stages one after another (no micro-batch
-overlap yet), so PP can at best equal one device; what PP's figure shows is its fixed cost per
-step -- one dispatch per stage plus P - 1 device_puts of [T, hidden]. Each setup is timed in
-alternating rounds and the best round counts, since the host is shared.
+Without --engine it times one model step (random weights, Llama-shaped, float32, an empty padded
+batch of --tokens tokens: all the matmuls, no attention work) on 1 device, on TP N (one mesh, XLA's
+all-reduces) and on PP N (parallel/pipeline.py: a program per stage, the residual stream
+device_put between stages). One step visits the stages in turn, so PP can at best equal one device;
+what PP's figure shows is its fixed cost per step -- one dispatch per stage plus P - 1 device_puts
+of [T, hidden]. Each setup is timed in alternating rounds and the best round counts.
+
+With --engine it runs LLMEngine on --requests greedy requests: one device, TP N, PP N with
+--no-async-scheduling (stage after stage) and PP N with --async-scheduling (N steps in flight,
+disjoint requests: stage s runs one step while stage s+1 runs the one before). Fake CPU devices
+share the host's cores and memory bandwidth; with XLA's multi-threaded Eigen off, each device
+computes on one core, as each GPU has its own compute, and overlap can show where the work is
+compute-bound (long prompts). A decode step of a small batch is host-bound on a CPU, and P steps in
+flight split the batch into P steps, each paying the host's fixed cost.
 
 Prediction for two GPUs over PCIe (no NVLink), Llama-3.1-8B bf16, a decode step of T = 32 tokens:
   * a step reads the weights once: 16 GB / 864 GB/s (L40S) = 18.6 ms on one GPU;
   * TP 2: each GPU reads half (9.3 ms) but runs 2 all-reduces per layer x 32 layers = 64, each of
     T x 4096 x 2 B = 256 KiB; a ring all-reduce over PCIe 4.0 x16 (~25 GB/s, ~15 us latency) moves
     2 x (N-1)/N x 256 KiB: ~10 us + 15 us = ~25 us, so ~1.6 ms a step: ~10.9 ms, 1.7x over one GPU;
-  * PP 2 (this design, stage after stage): each stage reads half, but one sequence's step visits
-    both in turn: 9.3 + 9.3 ms plus one 256 KiB transfer (~25 us): ~18.6 ms, no faster than one
-    GPU for latency; what PP buys is memory (a model twice as large) and, with micro-batches in
-    flight (not yet implemented), up to 2x throughput at the same latency.
+  * PP 2 stage after stage: each stage reads half, but a step visits both in turn: 9.3 + 9.3 ms plus
+    one 256 KiB transfer (~25 us): ~18.6 ms, no faster than one GPU, each GPU idle half the time;
+  * PP 2 with 2 steps in flight: both GPUs busy. A weight-bound decode step gains nothing at the
+    same number of running requests (each stage reads its half of the weights once per step, and
+    there are twice as many steps), but the pair holds twice the KV of one GPU, so twice the
+    requests run at the same per-step time: up to 2x throughput; where a step's time grows with
+    its batch (long prompts, KV reads of large batches) in-flight steps approach 2x at the same load.
   So on PCIe TP 2 wins on latency for a model that fits TP; PP's per-step cost is 64x fewer
   transfers, which is why it is the choice across nodes (the article's no-NVLink case).
 The script prints the CPU figures and the same arithmetic with the measured per-transfer costs.
@@ -105,7 +117,8 @@ def main() -> int:
     print(f"  PP cost per stage hop: {per_hop * 1e3:.0f} us" + (" (below this host's noise)" if per_hop <= 0 else ""))
     weights_ms, ar_ms, hop_ms = 16e9 / 864e9 * 1e3, 0.025, 0.025
     print(f"predicted Llama-3.1-8B bf16 decode step on 2 x L40S over PCIe: 1 GPU {weights_ms:.1f} ms, "
-          f"TP 2 {weights_ms / 2 + 64 * ar_ms:.1f} ms, PP 2 {weights_ms + hop_ms:.1f} ms (stage after stage)")
+          f"TP 2 {weights_ms / 2 + 64 * ar_ms:.1f} ms, PP 2 {weights_ms + hop_ms:.1f} ms a step (stage after stage; "
+          f"with 2 steps in flight, 2 steps each {weights_ms + hop_ms:.1f} ms, one every {weights_ms / 2:.1f} ms)")
     return 0
 
 
