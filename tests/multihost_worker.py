@@ -1,7 +1,7 @@
 """One process of tests/test_multihost.py: a rank of a two-process jax.distributed run over gloo,
 or the single-process reference. Writes one JSON file.
 
-    python -m tests.multihost_worker reference MODEL_DIR OUT.json [pp]     (1 device, no mesh)
+    python -m tests.multihost_worker reference MODEL_DIR OUT.json          (1 device, no mesh)
     python -m tests.multihost_worker rank MODEL_DIR OUT.json PORT RANK [pp] (2 processes: TP 2 over both,
                                                                             or with pp: PP 2, a stage each)
 

@@ -104,20 +104,11 @@ def test_two_processes_tensor_parallel_match_one_process(model_dir, reference, t
     assert_same_results(leader, reference)
 
 
-@pytest.fixture(scope="module")
-def reference_pp(model_dir, tmp_path_factory) -> dict:
-    """The pipeline runs' requests (preempted by recomputation) in one process on one device."""
-    tmp = tmp_path_factory.mktemp("reference_pp")
-    out = tmp / "ref.json"
-    run_ranks([[sys.executable, "-m", "tests.multihost_worker", "reference", str(model_dir), str(out), "pp"]], tmp)
-    ref = json.loads(out.read_text())
-    assert ref["num_devices"] == 1 and ref["num_preemptions"] > 0  # recomputation is exercised
-    return ref
-
-
-def test_two_processes_pipeline_a_stage_each_match_one_process(model_dir, reference_pp, tmp_path):
+def test_two_processes_pipeline_a_stage_each_match_one_process(model_dir, reference, tmp_path):
     """PP 2 over two processes (gloo): stage 0 (embedding, layer 0) on rank 0, stage 1 (layer 1, LM
-    head, sampler) on rank 1; the residual stream and the sampled tokens cross by collectives."""
+    head, sampler) on rank 1; the residual stream and the sampled tokens cross by collectives.
+    Preempted by recomputation (stages refuse swap): the same outputs as the swapping reference's,
+    in another schedule."""
     leader, follower = run_two_ranks(model_dir, tmp_path, "pp")
     for r in (leader, follower):
         assert r["stage_processes"] == [[0], [1]]
@@ -125,12 +116,13 @@ def test_two_processes_pipeline_a_stage_each_match_one_process(model_dir, refere
     assert leader["stage_bytes"][0] > 0 and leader["stage_bytes"][1] == 0
     assert follower["stage_bytes"][1] > 0 and follower["stage_bytes"][0] == 0
     assert leader["local_bytes"] == leader["stage_bytes"][0] and follower["local_bytes"] == follower["stage_bytes"][1]
-    assert follower["steps_run"] == leader["steps_sent"] == leader["steps"] == reference_pp["steps"]
-    assert_same_results(leader, reference_pp)
+    assert follower["steps_run"] == leader["steps_sent"] == leader["steps"]
+    assert leader["num_preemptions"] > 0
+    assert_same_results(leader, reference, same_schedule=False)
 
 
-def assert_same_results(leader: dict, reference: dict) -> None:
-    assert leader["num_preemptions"] == reference["num_preemptions"]
+def assert_same_results(leader: dict, reference: dict, same_schedule: bool = True) -> None:
+    assert not same_schedule or leader["num_preemptions"] == reference["num_preemptions"]
     assert leader["results"].keys() == reference["results"].keys()
     for rid, ref in reference["results"].items():
         ours = leader["results"][rid]

@@ -28,7 +28,8 @@ def tiny() -> dict:
     return run_worker("tiny")
 
 
-CASES = ["llama_gqa/tp1/pp4", "llama_gqa/tp2/pp3", "llama_gqa/tp1/pp2/async", "qwen2_bias_tied/tp2/pp2"]
+CASES = ["llama_gqa/tp1/pp4", "llama_gqa/tp2/pp3", "llama_gqa/tp1/pp2/async", "qwen2_bias_tied/tp2/pp2",
+         "mistral_sliding/tp1/pp3/async", "qwen3_qknorm/tp2/pp2/async"]
 
 
 @pytest.mark.parametrize("case", CASES)
