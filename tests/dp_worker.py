@@ -1,8 +1,8 @@
-"""Run in a subprocess with 4 forced CPU devices: data parallel 2 x tensor parallel 2 (or with
-`pp`: x pipeline parallel 2) behind the HTTP server, against a single-device engine on the same
+"""Run in a subprocess with 4 forced CPU devices: data parallel 2 x tensor parallel 2, then
+data parallel 2 x pipeline parallel 2, behind the HTTP server, against a single-device engine on the same
 weights. Prints one JSON line.
 
-    python -m tests.dp_worker MODEL_DIR [tp|pp]
+    python -m tests.dp_worker MODEL_DIR        -> {"tp": {...}, "pp": {...}}
 """
 
 from __future__ import annotations
@@ -39,22 +39,25 @@ async def hit(base: str, model: str) -> list[list[int]]:
         return await asyncio.gather(*(one(p) for p in PROMPTS))
 
 
-def main(model_dir: str, layout: str = "tp") -> None:
+def main(model_dir: str) -> None:
     model = load_model(model_dir, "float32", progress=False)
     ref = LLM(model, progress=False, **ENGINE).generate([{"prompt_token_ids": p} for p in PROMPTS],
                                                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                                                         use_tqdm=False)
-    split = dict(pipeline_parallel_size=2) if layout == "pp" else dict(tensor_parallel_size=2)
-    dp = DataParallelAsyncLLM.from_engine_args(EngineArgs(model=model_dir, data_parallel_size=2, **split, **ENGINE),
-                                               model=model, progress=False)
-    with serve_in_thread(build_app(dp)) as base:
-        texts = asyncio.run(hit(base, dp.model_name))
-    devices = [sorted(d.id for m in ([r.engine.mesh] if layout == "tp" else r.engine.pipeline.meshes)
-                      for d in m.devices.flat) for r in dp.replicas]
-    print(json.dumps({"match": [t == r.outputs[0].text for t, r in zip(texts, ref)], "served": dp.num_served,
-                      "devices": devices, "compiles_after_warmup": dp.get_stats().num_compilations_after_warmup}))
-    dp.shutdown()
+    results = {}
+    for layout, split in (("tp", dict(tensor_parallel_size=2)), ("pp", dict(pipeline_parallel_size=2))):
+        dp = DataParallelAsyncLLM.from_engine_args(
+            EngineArgs(model=model_dir, data_parallel_size=2, **split, **ENGINE), model=model, progress=False)
+        with serve_in_thread(build_app(dp)) as base:
+            texts = asyncio.run(hit(base, dp.model_name))
+        devices = [sorted(d.id for m in ([r.engine.mesh] if layout == "tp" else r.engine.pipeline.meshes)
+                          for d in m.devices.flat) for r in dp.replicas]
+        results[layout] = {"match": [t == r.outputs[0].text for t, r in zip(texts, ref)], "served": dp.num_served,
+                           "devices": devices,
+                           "compiles_after_warmup": dp.get_stats().num_compilations_after_warmup}
+        dp.shutdown()
+    print(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main(sys.argv[1])

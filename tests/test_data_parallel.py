@@ -27,14 +27,20 @@ def model_dir(tmp_path_factory, default_gguf) -> Path:
     return path
 
 
-@pytest.mark.parametrize("layout", ["tp", "pp"])
-def test_dp2_serves_correctly_over_both_replicas(model_dir, layout):
-    """Each replica on its own pair of devices: tensor parallel 2, or two pipeline stages."""
+@pytest.fixture(scope="module")
+def results(model_dir) -> dict:
+    """Both layouts in one subprocess (one reference engine)."""
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "tests.dp_worker", str(model_dir), layout], cwd=root,
+    proc = subprocess.run([sys.executable, "-m", "tests.dp_worker", str(model_dir)], cwd=root,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp"])
+def test_dp2_serves_correctly_over_both_replicas(results, layout):
+    """Each replica on its own pair of devices: tensor parallel 2, or two pipeline stages."""
+    result = results[layout]
     assert all(result["match"]), result
     assert all(n > 0 for n in result["served"]) and sum(result["served"]) == 12, result
     assert sorted(sum(result["devices"], [])) == [0, 1, 2, 3], result  # two disjoint pairs of devices

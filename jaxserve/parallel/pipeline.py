@@ -173,10 +173,16 @@ def build_pipeline(params: dict, cfg: ModelConfig, tensor_parallel_size: int, pi
 def _stacked(x: jax.Array, mesh: Mesh, src_devices: set) -> jax.Array:
     """`x` (replicated on `src_devices`) as block `src` of a [S * n, ...] array sharded on "stage"."""
     own = {s.device: s.data for s in x.addressable_shards}
-    shards = [own[d] if d in src_devices else jax.device_put(np.zeros(x.shape, x.dtype), d)
+    shards = [own[d] if d in src_devices else _zeros(x.shape, x.dtype, d)
               for d in mesh.devices.flat if d.process_index == jax.process_index()]
     shape = (mesh.shape["stage"] * x.shape[0], *x.shape[1:])
     return jax.make_array_from_single_device_arrays(shape, NamedSharding(mesh, P("stage")), shards, dtype=x.dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(shape: tuple[int, ...], dtype, device: jax.Device) -> jax.Array:
+    """What a device with nothing to send contributes (one per bucket shape, made once)."""
+    return jax.device_put(np.zeros(shape, dtype), device)
 
 
 @functools.lru_cache(maxsize=None)
