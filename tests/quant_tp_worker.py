@@ -48,13 +48,52 @@ def main(tp: int) -> None:
         got = paged_logits(sharded, cfg, PROMPTS, CONTINUATIONS)
         rel = max(float(np.abs(g - w).max() / np.abs(w).max()) for g, w in zip(got, want))
         wq, wo = sharded["layers"]["wq"], sharded["layers"]["wo"]
-        out[scheme] = {"rel": rel, "wq_values": list(wq.values.addressable_shards[0].data.shape),
+        out[scheme] = {"rel": rel, "split": [wq.split and wq.split[2], wo.split and wo.split[2]],
+                       "wq_values": list(wq.values.addressable_shards[0].data.shape),
                        "wq_scales": list(wq.scales.addressable_shards[0].data.shape),
                        "wo_values": list(wo.values.addressable_shards[0].data.shape),
                        "wo_scales": list(wo.scales.addressable_shards[0].data.shape),
                        "wq_full": list(wq.values.shape), "wo_full": list(wo.values.shape),
                        "wo_scales_full": list(wo.scales.shape), "summary": summary}
+    out["kernel"] = check_w4a16_kernel(tp)
     print(json.dumps(out))
+
+
+def check_w4a16_kernel(tp: int) -> dict:
+    """The Pallas W4A16 kernel on a column- and a row-split weight of a size it takes (the tiny
+    model's are too small): run in interpret mode inside its shard_map against the dequantized
+    product, and lowered for cuda (jax.export) to read the kernel's operand types there."""
+    import dataclasses
+
+    from jax import export
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.quantization.matmul import matmul, w4a16_kernel
+    from jaxserve.quantization.qweight import dequantize
+    from jaxserve.quantization.sharding import quantized_spec
+
+    k, n, group = 1024, 2048, 128
+    rng = np.random.default_rng(1)
+    w = pack_int(rng.integers(0, 16, (k, n)), (rng.random((k // group, n)) / 100).astype(np.float32),
+                 rng.integers(0, 16, (k // group, n)), None, 4, jnp.float32)
+    mesh = parallel.make_mesh(tp, 1)
+    x = jax.device_put(jnp.asarray(rng.standard_normal((16, k)), jnp.float32), NamedSharding(mesh, P()))
+    want = np.asarray(x @ dequantize(w))
+    result = {}
+    for kind, spec in (("column", P(None, None, "model")), ("row", P(None, "model", None))):
+        specs = jax.tree.map(lambda s: P(*tuple(s)[1:]), quantized_spec(spec, w, tp),
+                             is_leaf=lambda v: isinstance(v, P))  # the per-layer spec: no layer axis
+        ws = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(mesh, s)), w, specs,
+                          is_leaf=lambda v: isinstance(v, P))
+        ws = dataclasses.replace(ws, split=(mesh, "model", kind))
+        got = np.asarray(jax.jit(lambda x, w: w4a16_kernel(x, w, interpret=True))(x, ws))
+        text = export.export(jax.jit(matmul), platforms=["cuda"], disabled_checks=[
+            export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(x, ws).mlir_module()
+        calls = [line.rsplit(" : ", 1)[-1] for line in text.splitlines() if "@__gpu$xla.gpu.triton" in line]
+        result[kind] = {"rel": float(np.abs(got - want).max() / np.abs(want).max()), "signatures": calls,
+                        "all_reduce": "stablehlo.all_reduce" in text}
+    return result
 
 
 if __name__ == "__main__":

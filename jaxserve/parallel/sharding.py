@@ -9,6 +9,7 @@ Two ways in for weights:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -19,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
-from jaxserve.parallel.mesh import tensor_parallel_size
+from jaxserve.parallel.mesh import MODEL_AXIS, tensor_parallel_size
+from jaxserve.quantization.qweight import is_quantized
 from jaxserve.quantization.sharding import expand_specs
 from jaxserve.parallel.specs import REPLICATED, PartitionPlan, mesh_for, partition_plan
 
@@ -57,8 +59,19 @@ def kv_cache_sharding(mesh: Mesh, cfg: ModelConfig) -> NamedSharding:
 
 
 def shard_params(params: Params, mesh: Mesh, cfg: ModelConfig) -> Params:
-    """device_put every leaf with its NamedSharding (params already in memory)."""
-    return jax.device_put(params, ModelShardings.create(mesh, cfg, params).params)
+    """device_put every leaf with its NamedSharding (params already in memory). A quantized weight
+    split over the model axis is told how (`QuantizedWeight.split`), for its kernel's shard_map."""
+    placed = jax.device_put(params, ModelShardings.create(mesh, cfg, params).params)
+    return jax.tree.map(_with_split, placed, is_leaf=is_quantized)
+
+
+def _with_split(leaf):
+    if not is_quantized(leaf):
+        return leaf
+    sharding = leaf.values.sharding
+    dims = tuple(sharding.spec) + (None,) * (leaf.values.ndim - len(tuple(sharding.spec)))
+    kind = "column" if dims[-1] == MODEL_AXIS else "row" if dims[-2] == MODEL_AXIS else None
+    return leaf if kind is None else dataclasses.replace(leaf, split=(sharding.mesh, MODEL_AXIS, kind))
 
 
 def make_sharded_kv_cache(mesh: Mesh, cfg: ModelConfig, num_blocks: int, block_size: int,

@@ -8,8 +8,9 @@ The path is picked here, never in the model (DESIGN.md rule 9):
                            per-tensor scale), an f8 x f8 dot in XLA with float32 accumulation
                            (cuBLASLt's fp8 GEMM on Hopper), rescaled by both scales
     w4a16 / w8a16          GPU and M <= DECODE_MAX_ROWS: the Pallas (Triton) dequantizing
-                           kernel `pallas_kernels.w4a16_matmul` (4-bit); otherwise XLA:
-                           dequantize to x's dtype in the program, then a float dot
+                           kernel `pallas_kernels.w4a16_matmul` (4-bit; under tensor
+                           parallelism on each device's shard, `w4a16_kernel`); otherwise
+                           XLA: dequantize to x's dtype in the program, then a float dot
 
 Why int8 on the CPU quantizes both operands: XLA:CPU does not fuse an int8 -> float
 convert into its dot, so int8 weights with float activations would be converted in
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.quantization.calibrate import Observed, observe
 from jaxserve.quantization.qweight import FP8_MAX, QuantizedWeight, dequantize
@@ -45,23 +47,54 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed) -> jax.Array
     xla = lambda x: x @ dequantize(w, x.dtype)  # noqa: E731
     if not _kernel_fits(w, rows):
         return xla(x)
-
-    def kernel(x: jax.Array) -> jax.Array:
-        from pallas_kernels.w4a16_matmul import w4a16_matmul
-
-        out = w4a16_matmul(x.reshape(rows, -1), w.values, w.scales, w.zeros, group_size=w.group_size)
-        return out.reshape(*x.shape[:-1], -1)
-
     # Chosen when the program is lowered, for the platform it is lowered for: an export for
     # cuda from a CPU host gets the kernel, a CPU run the XLA dot.
-    return jax.lax.platform_dependent(x, cuda=kernel, default=xla)
+    return jax.lax.platform_dependent(x, cuda=lambda x: w4a16_kernel(x, w), default=xla)
+
+
+def w4a16_kernel(x: jax.Array, w: QuantizedWeight, interpret: bool = False) -> jax.Array:
+    """x [..., K] @ w through the Pallas kernel. A tensor-parallel weight (`w.split`) runs it on each
+    device's shard inside `shard_map` (a custom kernel has no partitioning rule, so XLA would gather
+    the whole weight onto every device): column-split, each device's N columns of the output;
+    row-split, each device's K rows times its slice of x, then a psum over the axis."""
+    from pallas_kernels.w4a16_matmul import w4a16_matmul
+
+    def local(x2, values, scales, zeros):
+        return w4a16_matmul(x2, values, scales, zeros, group_size=w.group_size, interpret=interpret)
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if w.split is None:
+        out = local(x2, w.values, w.scales, w.zeros)
+    else:
+        mesh, axis, kind = w.split
+        if kind == "column":
+            body, x_spec, w_spec, out_spec = local, P(), P(None, axis), P(None, axis)
+        else:
+            body, x_spec, w_spec, out_spec = (lambda *a: jax.lax.psum(local(*a), axis)), P(None, axis), P(axis), P()
+        # (check_vma off: a pallas_call's output does not say how it varies over the mesh)
+        out = jax.shard_map(body, mesh=mesh, in_specs=(x_spec, w_spec, w_spec, w_spec), out_specs=out_spec,
+                            check_vma=False)(x2, w.values, w.scales, w.zeros)
+    return out.reshape(*x.shape[:-1], -1)
 
 
 def _kernel_fits(w: QuantizedWeight, rows: int) -> bool:
+    """The 4-bit kernel's sizes, on each device's shard of a tensor-parallel weight (a row split
+    must keep whole groups per device; per-channel scales, one group, cannot be split)."""
     from pallas_kernels.w4a16_matmul import supported
 
-    return (w.scheme == "w4a16" and rows <= DECODE_MAX_ROWS and w.values.ndim == 2
-            and supported(w.shape[-2], w.shape[-1], w.group_size))
+    if w.scheme != "w4a16" or rows > DECODE_MAX_ROWS or w.values.ndim != 2:
+        return False
+    k, n = w.shape[-2:]
+    if w.split is not None:
+        mesh, axis, kind = w.split
+        size = mesh.shape[axis]
+        if kind == "column":
+            n //= size
+        elif w.scales.shape[-2] % size:
+            return False
+        else:
+            k //= size
+    return supported(k, n, w.group_size)
 
 
 def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:

@@ -46,6 +46,9 @@ class QuantizedWeight:
     input_scale: jax.Array | None = None  # f32 [...]: static per-tensor activation scale (fp8 only)
     scheme: str = field(default="int8", metadata=dict(static=True))
     group_size: int = field(default=0, metadata=dict(static=True))  # rows per scale group
+    # Tensor parallelism: (mesh, axis name, "column" | "row") when the values are split over the mesh
+    # axis on N or on K (parallel.shard_params sets it), so a kernel runs on each device's shard.
+    split: tuple | None = field(default=None, metadata=dict(static=True))
 
     @property
     def bits(self) -> int:
