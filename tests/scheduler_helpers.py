@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from jaxserve.core.request import PLACEHOLDER, Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import ModelOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxserve.core.scheduler import (ModelOutput, SampledToken, ScheduledRequest, Scheduler, SchedulerConfig,
+                                    SchedulerOutput)
 
 VOCAB = 50
 EOS = 0
@@ -56,7 +57,9 @@ class FakeRunner:
                                                         for _ in range(cfg.num_cpu_blocks)]
         self.last: dict[str, SampledToken] = {}  # the previous step's samples, as the device keeps them
 
-    def execute(self, out: SchedulerOutput) -> ModelOutput:
+    def write(self, out: SchedulerOutput) -> None:
+        """The step's block swaps and copies, then every scheduled token's (token, position) into its
+        slot: like the model, every layer writes the whole batch's KV, then attends."""
         bs = self.cfg.block_size
         for d, c in out.swap_out:
             self.cpu[c] = list(self.dev[d])
@@ -64,7 +67,6 @@ class FakeRunner:
             self.dev[d] = list(self.cpu[c])
         for s, d in out.copy_blocks:
             self.dev[d] = list(self.dev[s])
-        # Like the model: every layer writes the whole batch's KV, then attends.
         for sr in out.scheduled:
             for k, t in enumerate(sr.token_ids):
                 if t == PLACEHOLDER:  # async scheduling: the previous step's token, still "on the device"
@@ -72,13 +74,21 @@ class FakeRunner:
                     t = self.last[sr.request_id].token_id
                 p = sr.start_pos + k
                 self.dev[sr.block_ids[p // bs]][p % bs] = (t, p)
+
+    def context(self, sr: ScheduledRequest, stop: int) -> list[int]:
+        """Tokens [0, stop) read back through the request's block table; each slot must hold its position."""
+        bs = self.cfg.block_size
+        ctx = [self.dev[sr.block_ids[p // bs]][p % bs] for p in range(stop)]
+        assert all(c is not None and c[1] == p for p, c in enumerate(ctx)), sr.request_id
+        return [c[0] for c in ctx]
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        self.write(out)
         sampled = {}
         for sr in out.scheduled:
             if sr.sample:
                 end = sr.start_pos + len(sr.token_ids)
-                ctx = [self.dev[sr.block_ids[p // bs]][p % bs] for p in range(end)]
-                assert all(c is not None and c[1] == p for p, c in enumerate(ctx)), sr.request_id
-                sampled[sr.request_id] = SampledToken(next_token([c[0] for c in ctx], salt(sr.request_id)))
+                sampled[sr.request_id] = SampledToken(next_token(self.context(sr, end), salt(sr.request_id)))
         self.last = sampled
         return ModelOutput(sampled)
 

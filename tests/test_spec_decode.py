@@ -13,6 +13,7 @@ from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import ModelOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.core.spec_decode import SpeculativeConfig, propose_ngram
+from tests.scheduler_helpers import FakeRunner
 
 EOS = 0
 VOCAB = 40
@@ -71,37 +72,19 @@ def model(context: list[int]) -> int:
     return context[-3]
 
 
-class Runner:
-    """Writes each scheduled token's KV to a shadow pool; samples `model` over the context read
-    back through the block table, after the last real token and after each draft."""
-
-    def __init__(self, cfg: SchedulerConfig) -> None:
-        self.cfg = cfg
-        self.dev = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
-        self.cpu = [[None] * cfg.block_size for _ in range(cfg.num_cpu_blocks)]
+class Runner(FakeRunner):
+    """The scheduler harness's shadow pool (tests/scheduler_helpers.py); samples `model` over the
+    context read back through the block table, after the last real token and after each draft."""
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
-        bs = self.cfg.block_size
-        for d, c in out.swap_out:
-            self.cpu[c] = list(self.dev[d])
-        for c, d in out.swap_in:
-            self.dev[d] = list(self.cpu[c])
-        for s, d in out.copy_blocks:
-            self.dev[d] = list(self.dev[s])
-        for sr in out.scheduled:
-            for k, t in enumerate(sr.token_ids):
-                p = sr.start_pos + k
-                self.dev[sr.block_ids[p // bs]][p % bs] = (t, p)
+        self.write(out)
         result = ModelOutput()
         for sr in out.scheduled:
             if not sr.sample:
                 continue
             end = sr.start_pos + len(sr.token_ids)
             for j in range(sr.num_drafts + 1):
-                stop = end - sr.num_drafts + j
-                ctx = [self.dev[sr.block_ids[p // bs]][p % bs] for p in range(stop)]
-                assert all(c is not None and c[1] == p for p, c in enumerate(ctx)), sr.request_id
-                token = SampledToken(model([c[0] for c in ctx]), logprob=-float(j))
+                token = SampledToken(model(self.context(sr, end - sr.num_drafts + j)), logprob=-float(j))
                 if j == 0:
                     result.sampled[sr.request_id] = token
                 else:
