@@ -73,8 +73,7 @@ def local_bytes(*trees) -> int:
 
 def main(argv: list[str]) -> None:
     mode, model_dir, out_path = argv[:3]
-    pp = argv[-1] == "pp"
-    engine_kw = ENGINE_PP if pp else ENGINE
+    pp = mode == "rank" and argv[-1] == "pp"
     from jaxserve.engine.args import EngineArgs
 
     if mode == "reference":
@@ -82,7 +81,7 @@ def main(argv: list[str]) -> None:
 
         from jaxserve.engine.llm_engine import LLMEngine
 
-        result = drive(LLMEngine(EngineArgs(model=model_dir, **engine_kw), progress=False))
+        result = drive(LLMEngine(EngineArgs(model=model_dir, **ENGINE), progress=False))
         result["num_devices"] = jax.device_count()
     else:
         port, rank = argv[3:5]
@@ -90,7 +89,7 @@ def main(argv: list[str]) -> None:
 
         layout = dict(pipeline_parallel_size=2) if pp else dict(tensor_parallel_size=2)
         args = EngineArgs(model=model_dir, num_hosts=2, host_rank=int(rank), coordinator=f"127.0.0.1:{port}",
-                          **layout, **engine_kw)
+                          **layout, **(ENGINE_PP if pp else ENGINE))
         multihost.initialize(args)
         import jax
 
