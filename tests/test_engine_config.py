@@ -41,11 +41,28 @@ def test_platform_defaults_fill_only_the_flags_not_given(platform: str, want: tu
     assert (sized.runner_config().block_size, sized.runner_config().kv_cache_dtype) == want
     assert sized.scheduler_config().block_size == want[0]
     # The start-up log names what the CPU chose; explicit flags are kept and not reported.
-    assert config.platform_defaults == (("--block-size 64", "--kv-cache-dtype bfloat16") if platform == "cpu" else ())
-    exact = EngineConfig.resolve(EngineArgs(block_size=16, kv_cache_dtype="auto"), 2048, platform)
-    assert (exact.block_size, exact.kv_cache_dtype, exact.platform_defaults) == (16, "auto", ())
+    ngram = """--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'"""
+    assert config.platform_defaults == (("--block-size 64", "--kv-cache-dtype bfloat16", ngram)
+                                        if platform == "cpu" else ())
+    assert sized.scheduler_config().speculative == (SpeculativeConfig(num_speculative_tokens=4)
+                                                    if platform == "cpu" else None)
+    exact = EngineConfig.resolve(EngineArgs(block_size=16, kv_cache_dtype="auto", speculative_config={}), 2048, platform)
+    assert (exact.block_size, exact.kv_cache_dtype, exact.speculative, exact.platform_defaults) == (16, "auto", None, ())
     half = EngineConfig.resolve(EngineArgs(kv_cache_dtype="float32"), 2048, platform)
-    assert half.kv_cache_dtype == "float32" and half.platform_defaults == (("--block-size 64",) if platform == "cpu" else ())
+    assert half.kv_cache_dtype == "float32" and half.platform_defaults == (("--block-size 64", ngram)
+                                                                           if platform == "cpu" else ())
+    given = EngineConfig.resolve(EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
+                                 2048, platform)
+    assert given.speculative == SpeculativeConfig(num_speculative_tokens=2) and not any(
+        "speculative" in d for d in given.platform_defaults)
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                                      dict(data_parallel_size=2), dict(num_hosts=2)])
+def test_cpu_ngram_default_only_on_one_device(parallel: dict) -> None:
+    """The n-gram default was measured on one CPU device; a parallel run drafts only when asked."""
+    config = EngineConfig.resolve(EngineArgs(**parallel), 2048, "cpu")
+    assert config.speculative is None and config.platform_defaults == ("--block-size 64", "--kv-cache-dtype bfloat16")
 
 
 def test_parts_derived_and_nothing_written_back() -> None:

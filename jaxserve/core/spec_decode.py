@@ -51,9 +51,13 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
-        """EngineArgs.speculative_config (a dict, as vLLM takes it) -> a SpeculativeConfig; None stays None."""
+        """EngineArgs.speculative_config (a dict, as vLLM takes it) -> a SpeculativeConfig; None stays None,
+        and an empty dict (`--speculative-config '{}'`) is None too: no speculative decoding, which
+        turns off the CPU's default (engine/config.py)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        if value == {}:
+            return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"ngram\", "
                              f"\"num_speculative_tokens\": 3}}, got {type(value).__name__}")

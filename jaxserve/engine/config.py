@@ -11,7 +11,8 @@ and returned (nothing is written back into EngineArgs):
         block_size              the flag, or the platform's default: 64 on CPU, 16 elsewhere
         kv_cache_dtype          the flag, or the platform's default: bfloat16 on CPU, auto elsewhere
         platform_defaults       what the platform chose of these because the flag was not set, and why
-        speculative             the speculative_config dict parsed
+        speculative             the speculative_config dict parsed, or the platform's default: n-gram drafts
+                                (k = 4) on one CPU device, none elsewhere; '{}' turns it off
         async_scheduling        the flag, or on for accelerators (one host), off on CPU
     config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
     config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
@@ -20,6 +21,7 @@ and returned (nothing is written back into EngineArgs):
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from jaxserve.constants import resolve_attention_backend
@@ -54,14 +56,19 @@ class EngineConfig:
         on_cpu = platform == "cpu"
         block_size = args.block_size or sizing.default_block_size(on_cpu)
         kv_cache_dtype = args.kv_cache_dtype or sizing.default_kv_cache_dtype(on_cpu)
-        chosen = tuple(f"--{flag} {value}" for flag, given, value in (
+        speculative = args.speculative_config
+        if speculative is None and on_cpu and _one_device(args):
+            speculative = sizing.CPU_SPECULATIVE_CONFIG
+        chosen = [f"--{flag} {value}" for flag, given, value in (
             ("block-size", args.block_size, block_size), ("kv-cache-dtype", args.kv_cache_dtype, kv_cache_dtype))
-            if given is None and on_cpu)
+            if given is None and on_cpu]
+        if speculative is not args.speculative_config:
+            chosen.append(f"--speculative-config '{json.dumps(speculative)}'")
         return cls(args=args, max_model_len=max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
                    attention_backend=resolve_attention_backend(args.attention_backend, platform),
-                   block_size=block_size, kv_cache_dtype=kv_cache_dtype, platform_defaults=chosen,
-                   speculative=SpeculativeConfig.parse(args.speculative_config),
+                   block_size=block_size, kv_cache_dtype=kv_cache_dtype, platform_defaults=tuple(chosen),
+                   speculative=SpeculativeConfig.parse(speculative),
                    async_scheduling=_async_scheduling(args, on_cpu))
 
     @property
@@ -93,6 +100,11 @@ class EngineConfig:
             num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype)
+
+
+def _one_device(args: EngineArgs) -> bool:
+    """The CPU's n-gram default is measured on one device (BENCHMARKS.md); parallel runs keep none."""
+    return (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, args.num_hosts) == (1, 1, 1, 1)
 
 
 def _async_scheduling(args: EngineArgs, on_cpu: bool) -> bool:

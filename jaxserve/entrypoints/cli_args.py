@@ -81,7 +81,8 @@ _HELP = {
     "host_rank": "this host's rank, 0 .. num_hosts - 1; None: from the cluster environment",
     "coordinator": "ADDR:PORT of rank 0's jax.distributed coordinator; None: $JAX_COORDINATOR_ADDRESS",
     "speculative_config": "JSON, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' drafts "
-                          "greedy requests' next tokens from their own earlier n-grams",
+                          "greedy requests' next tokens from their own earlier n-grams; on one CPU device "
+                          "ngram with 4 tokens unless given; '{}': none",
     "host": "address to bind",
     "port": "port to bind",
     "api_key": "require `Authorization: Bearer KEY` on /v1 routes",
