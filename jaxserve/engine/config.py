@@ -56,13 +56,12 @@ class EngineConfig:
         on_cpu = platform == "cpu"
         block_size = args.block_size or sizing.default_block_size(on_cpu)
         kv_cache_dtype = args.kv_cache_dtype or sizing.default_kv_cache_dtype(on_cpu)
-        speculative = args.speculative_config
-        if speculative is None and on_cpu and _one_device(args):
-            speculative = sizing.CPU_SPECULATIVE_CONFIG
+        default_drafts = args.speculative_config is None and on_cpu and _one_device(args)
+        speculative = sizing.CPU_SPECULATIVE_CONFIG if default_drafts else args.speculative_config
         chosen = [f"--{flag} {value}" for flag, given, value in (
             ("block-size", args.block_size, block_size), ("kv-cache-dtype", args.kv_cache_dtype, kv_cache_dtype))
             if given is None and on_cpu]
-        if speculative is not args.speculative_config:
+        if default_drafts:
             chosen.append(f"--speculative-config '{json.dumps(speculative)}'")
         return cls(args=args, max_model_len=max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
