@@ -341,3 +341,40 @@ def test_token_bitmask_masks_rows_without_a_new_program():
     constrained = np.asarray(fn(logits, md).token_ids)
     assert fn._cache_size() == 1
     assert constrained[1] in (5, 37) and constrained[2] == VOCAB - 1 and constrained[0] == unconstrained[0]
+
+
+def test_greedy_head_in_vocabulary_slices_matches_the_whole_head():
+    """The CPU sampler's plain greedy path (_sample_step with vocab_slices) against the whole
+    [S, V] head: same tokens (ties to the first index, across slices), logprobs and ranks; a batch
+    that asks for more (a logit bias, top logprobs) takes the whole head, in the same program."""
+    from jaxserve.sample.sampler import SLICED_MIN_ROWS, vocab_slices
+    from jaxserve.worker.programs import _sample_step
+    rng = np.random.default_rng(5)
+    num_rows, hidden_size = SLICED_MIN_ROWS, 16
+    embed = rng.standard_normal((VOCAB, hidden_size)).astype(np.float32)
+    embed[100] = embed[3]  # a tie across slices (32 tokens each): the first index wins
+    hidden = rng.standard_normal((num_rows, hidden_size)).astype(np.float32)
+    hidden[:8] = 6 * embed[[3, 100, 40, 64, 65, 127, 0, 31]]  # maxima at slice edges, and the tie
+    params = {"embed": jnp.asarray(embed)}
+    assert vocab_slices(VOCAB, target=32) == 4 and vocab_slices(49152) == 12 and vocab_slices(50257) == 0
+
+    def both(rows):
+        md = SamplingMetadata.build(rows, num_rows, MAX_MODEL_LEN)
+        return [jax.device_get(_sample_step(params, jnp.asarray(hidden), md, num_rows=num_rows, vocab_slices=n)[0])
+                for n in (0, 4)]
+
+    whole, sliced = both([_row(SamplingParams(temperature=0.0)) for _ in range(num_rows)])
+    logits = hidden @ embed.T
+    np.testing.assert_array_equal(whole.token_ids, logits.argmax(-1))
+    assert whole.token_ids[0] == whole.token_ids[1] == 3
+    np.testing.assert_array_equal(sliced.token_ids, whole.token_ids)
+    np.testing.assert_allclose(sliced.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(sliced.ranks, whole.ranks)
+    np.testing.assert_array_equal(sliced.top_ids, whole.top_ids)
+    np.testing.assert_array_equal(sliced.top_logprobs, whole.top_logprobs)
+    for asks in ({"logit_bias": {7: 100.0}}, {"logprobs": 2}):
+        rows = [_row(SamplingParams(temperature=0.0, **(asks if i == 5 else {}))) for i in range(num_rows)]
+        whole, sliced = both(rows)
+        assert asks.get("logit_bias") is None or whole.token_ids[5] == 7
+        for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced)):
+            np.testing.assert_array_equal(a, b)

@@ -33,7 +33,7 @@ from jaxserve.worker.programs import (_copy_blocks, _fetch, _gather_blocks, _gat
                                       num_compilations)
 from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, step_grids, step_seq_buckets,
                                          step_token_buckets)
-from jaxserve.sample.sampler import SamplerOutput
+from jaxserve.sample.sampler import SamplerOutput, vocab_slices
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
@@ -134,7 +134,8 @@ class ModelRunner:
         self._copy_blocks = pipeline.per_stage(_copy_blocks) if pipeline is not None else _copy_blocks
         self._model_step = (pipeline.step if pipeline is not None else
                             functools.partial(_model_step, cfg=self.cfg, backend=rc.backend))
-        self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows)
+        self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows,
+                                              vocab_slices=_head_slices(self.params, mesh, pipeline))
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
         # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
         # A mesh (or pipeline stages) over several processes: host inputs go to the programs as
@@ -334,6 +335,16 @@ def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:
         targets[: len(chunk)] = [c[3] for c in chunk]
         chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
     return chunks
+
+
+def _head_slices(params, mesh: Mesh | None, pipeline) -> int:
+    """The sampler's vocabulary slices (sampler.sample_greedy_in_slices) for this model: on a CPU,
+    one device, with a tied float head whose vocabulary splits evenly; else 0 (the whole head)."""
+    embed = params.get("embed")
+    if (mesh is not None or pipeline is not None or "lm_head" in params or not isinstance(embed, jax.Array)
+            or embed.ndim != 2 or {d.platform for d in embed.devices()} != {"cpu"}):
+        return 0
+    return vocab_slices(embed.shape[0])
 
 
 def _sampled(so: SamplerOutput, i: int, token_id: int, num_top: int) -> SampledToken:

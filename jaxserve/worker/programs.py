@@ -20,7 +20,8 @@ from jax import monitoring
 from jax.experimental import multihost_utils
 
 from jaxserve.models import llama
-from jaxserve.sample.sampler import SamplerOutput, compute_logprobs, sample
+from jaxserve.sample.sampler import (SLICED_MIN_ROWS, SamplerOutput, compute_logprobs, plain_greedy, sample,
+                                     sample_greedy_in_slices)
 from jaxserve.sample.sampling_metadata import SamplingMetadata
 from jaxserve.worker.input_batch import StepInput
 
@@ -68,11 +69,23 @@ def _prompt_logprobs_step(params, hidden, targets) -> SamplerOutput:
     return compute_logprobs(llama.compute_logits(params, hidden), targets)
 
 
-@functools.partial(jax.jit, static_argnames="num_rows")
-def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int) -> tuple[SamplerOutput, jax.Array]:
-    """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs."""
-    logits = llama.compute_logits(params, hidden[: md.temperature.shape[0]])  # LM head on S rows only
-    so = sample(logits, md)
+@functools.partial(jax.jit, static_argnames=("num_rows", "vocab_slices"))
+def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int,
+                 vocab_slices: int = 0) -> tuple[SamplerOutput, jax.Array]:
+    """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs.
+    vocab_slices > 0 (the runner's choice: CPU, one device, a float tied head): a step of at least
+    SLICED_MIN_ROWS plain greedy rows takes the head a vocabulary slice at a time (a lax.cond, the
+    same program)."""
+    hidden = hidden[: md.temperature.shape[0]]  # LM head on S rows only
+
+    def full():
+        return sample(llama.compute_logits(params, hidden), md)
+
+    if vocab_slices and hidden.shape[0] >= SLICED_MIN_ROWS and md.all_greedy and not md.use_penalties:
+        so = jax.lax.cond(plain_greedy(md), lambda: sample_greedy_in_slices(hidden, params["embed"], vocab_slices),
+                          full)
+    else:
+        so = full()
     return so, jnp.zeros((num_rows,), jnp.int32).at[: so.token_ids.shape[0]].set(so.token_ids)
 
 
