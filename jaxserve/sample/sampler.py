@@ -241,13 +241,12 @@ def sample_greedy_in_slices(hidden: jax.Array, embed: jax.Array, num_slices: int
     its rank is 1 and its logprob is -log(sum exp(logits - max))."""
     num_rows, vocab_size = hidden.shape[0], embed.shape[0]
     size = vocab_size // num_slices
-    index = jnp.arange(size, dtype=jnp.int32)
 
     def one_slice(carry, w):
         best, token, total, start = carry
         logits = (hidden @ w.T).astype(jnp.float32)  # [S, size], as llama.compute_logits
         m = jnp.max(logits, axis=-1)
-        first = jnp.min(jnp.where(logits == m[:, None], index, size), axis=-1) + start
+        first = argmax(logits) + start
         new_best = jnp.maximum(best, m)
         total = total * jnp.exp(best - new_best) + jnp.sum(jnp.exp(logits - new_best[:, None]), axis=-1)
         return (new_best, jnp.where(m > best, first, token), total, start + size), None
@@ -255,10 +254,15 @@ def sample_greedy_in_slices(hidden: jax.Array, embed: jax.Array, num_slices: int
     init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.int32),
             jnp.zeros((num_rows,), jnp.float32), jnp.int32(0))
     (_, token, total, _), _ = jax.lax.scan(one_slice, init, embed.reshape(num_slices, size, -1))
+    top_logprobs, top_ids = _no_top(num_rows)
+    return SamplerOutput(token_ids=token, logprobs=-jnp.log(total), ranks=jnp.ones((num_rows,), jnp.int32),
+                         top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+def _no_top(num_rows: int) -> tuple[jax.Array, jax.Array]:
+    """The top-N of a batch that asks for none: token 0 at -inf in every slot (costs nothing)."""
     shape = (num_rows, MAX_LOGPROBS)
-    return SamplerOutput(token_ids=token, logprobs=-jnp.log(total),
-                         ranks=jnp.ones((num_rows,), jnp.int32), top_ids=jnp.zeros(shape, jnp.int32),
-                         top_logprobs=jnp.full(shape, -jnp.inf, jnp.float32))
+    return jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.int32)
 
 
 def compute_logprobs(logits: jax.Array, token_ids: jax.Array, want_top: jax.Array | None = None) -> SamplerOutput:
@@ -273,11 +277,8 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array, want_top: jax.Arra
     def top(x):
         return tuple(jax.lax.top_k(x, MAX_LOGPROBS))  # [S, N], best first
 
-    def no_top(x):  # token 0 at -inf: nothing
-        shape = (x.shape[0], MAX_LOGPROBS)
-        return jnp.full(shape, -jnp.inf, x.dtype), jnp.zeros(shape, jnp.int32)
-
-    top_logits, top_ids = top(logits) if want_top is None else jax.lax.cond(want_top, top, no_top, logits)
+    top_logits, top_ids = top(logits) if want_top is None else jax.lax.cond(
+        want_top, top, lambda x: _no_top(x.shape[0]), logits)
     row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
     lse = row_max + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
     token_logits = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # [S, 1]
