@@ -12,7 +12,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import ModelOutput, SampledToken, Scheduler, SchedulerConfig, SchedulerOutput
-from jaxserve.core.spec_decode import SpeculativeConfig, propose_ngram
+from jaxserve.core.spec_decode import SpeculativeConfig, draft_share, propose_ngram
 from tests.scheduler_helpers import FakeRunner
 
 EOS = 0
@@ -156,7 +156,7 @@ def test_drafts_give_the_plain_outputs_in_fewer_steps(extra, k):
         assert b.status == a.status
     s = sched.stats()
     assert s.spec_num_accepted_tokens > 0 and s.spec_num_draft_tokens > s.spec_num_accepted_tokens
-    assert min(k, 4) <= max(sr.num_drafts for out in steps for sr in out.scheduled) <= k
+    assert 1 <= max(sr.num_drafts for out in steps for sr in out.scheduled) <= k  # k: see the one-request tests
     assert len(steps) < len(plain_steps)
 
 
@@ -205,3 +205,19 @@ def test_drafts_stop_at_max_tokens_and_max_model_len():
     for out in steps:
         for sr in out.scheduled:
             assert sr.start_pos + len(sr.token_ids) <= 40
+
+
+def test_draft_rows_are_shared_among_the_decoding_requests():
+    """A step's free sampler rows go to every decoding request in equal shares (rounded up, the first
+    requests first), not all to the first few: 3 looping requests and 5 free rows draft 2, 2 and 1."""
+    assert (draft_share(5, 3), draft_share(3, 2), draft_share(1, 1), draft_share(2, 4), draft_share(0, 3)) == (2, 2, 1, 1, 0)
+    cfg = SchedulerConfig(**dict(BASE, max_num_seqs=8), speculative=SpeculativeConfig(5))
+    reqs = [Request(f"r{i}", [5, 6, 7] * 3, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                    float(i), eos_token_ids=(EOS,)) for i in range(3)]
+    sched, steps = drive(cfg, reqs)
+    shares = [[sr.num_drafts for sr in out.scheduled] for out in steps if len(out.scheduled) == 3]
+    assert [2, 2, 1] in shares, shares
+    for d in shares:  # a request that proposes fewer (near max_tokens) leaves its rows to the next
+        assert all(d[i] <= draft_share(5 - sum(d[:i]), 3 - i) for i in range(3)), d
+    for r in reqs:
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params, cfg.max_model_len)

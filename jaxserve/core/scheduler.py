@@ -38,7 +38,7 @@ from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
                                             SchedulerConfig, SchedulerOutput, SchedulerStats)
-from jaxserve.core.spec_decode import accept_tokens, draft_budget, propose_drafts
+from jaxserve.core.spec_decode import accept_tokens, draft_budget, draft_share, propose_drafts
 from jaxserve.core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,8 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            drafts = propose_drafts(self.config.speculative, req, num_new, min(drafts_left, budget - num_new),
+            share = draft_share(drafts_left, len(self.running) - i)
+            drafts = propose_drafts(self.config.speculative, req, num_new, min(share, budget - num_new),
                                     self.config.max_model_len)
             if drafts and not self._room_for_drafts(req, num_new, len(drafts), len(self.running) - i - 1):
                 drafts = []

@@ -114,6 +114,13 @@ def draft_budget(spec: SpeculativeConfig | None, max_num_seqs: int, num_running:
     return max(0, max_num_seqs - num_running - num_others)
 
 
+def draft_share(drafts_left: int, num_left: int) -> int:
+    """Most drafts the next of `num_left` requests still to schedule may take from `drafts_left`:
+    an equal share, rounded up, so that a short budget goes to the first requests one draft each
+    and the share of a request that proposes fewer flows to the ones after it."""
+    return -(-drafts_left // max(1, num_left))
+
+
 def propose_drafts(spec: SpeculativeConfig | None, req: Request, num_new: int, limit: int,
                    max_model_len: int) -> list[int]:
     """N-gram drafts for a greedy request that decodes this step (at most `limit`), else []. Not
