@@ -12,6 +12,8 @@ Methods:
   gptq W4 g64 (RTN)    round-to-nearest packed in AutoGPTQ's layout (no GPTQ error correction: a lower bound)
   awq W4 g64 (RTN)     round-to-nearest asymmetric packed in AutoAWQ's layout (no activation-aware scaling)
   kv fp8 (e4m3)        float32 weights over an fp8 KV pool
+  bf16 dots            float32 weights, every projection a bfloat16 x bfloat16 dot accumulated in
+                       float32: the CPU's `--dtype auto` in steps of 64+ tokens (here every token)
 Group size 64 because SmolLM2's hidden size (576) is not a multiple of 128.
 Needs torch and compressed-tensors (the `test` extra). CPU, about a minute per method on 2 cores.
 
@@ -55,7 +57,7 @@ def segments() -> dict[str, str]:
     return out
 
 
-def nll(params, cfg, ids: np.ndarray, kv_dtype) -> float:
+def nll(params, cfg, ids: np.ndarray, kv_dtype, bf16_dots_from: int = 0) -> float:
     """Mean next-token negative log-likelihood of one sequence."""
     t, bs = len(ids), 16
     nb = -(-t // bs)
@@ -63,7 +65,8 @@ def nll(params, cfg, ids: np.ndarray, kv_dtype) -> float:
                            jnp.arange(nb, dtype=jnp.int32)[None], jnp.asarray([0, t], jnp.int32),
                            jnp.asarray([1], jnp.int32))
     kv = make_kv_cache(cfg.num_layers, cfg.num_kv_heads, nb, bs, cfg.head_dim, kv_dtype)
-    _, hidden = llama.forward(params, cfg, kv, jnp.asarray(ids, jnp.int32), jnp.arange(t, dtype=jnp.int32), md)
+    _, hidden = llama.forward(params, cfg, kv, jnp.asarray(ids, jnp.int32), jnp.arange(t, dtype=jnp.int32), md,
+                              bf16_dots_from=bf16_dots_from)
     logp = jax.nn.log_softmax(llama.compute_logits(params, hidden), axis=-1)
     return float(-jnp.mean(logp[jnp.arange(t - 1), jnp.asarray(ids[1:])]))
 
@@ -112,6 +115,7 @@ def methods(loaded):
                                                    "version": "gemm"},
                                           lambda w, r: qf.awq_linear(w, GROUP, r)), jnp.float32
     yield "kv fp8 (e4m3)", p, jnp.float8_e4m3fn
+    yield "bf16 dots", p, jnp.float32
 
 
 def linear_ratio(params) -> float:
@@ -130,7 +134,8 @@ def main() -> int:
     print(f"text: {TEXT.name}, " + ", ".join(f"{k} {len(v)} tokens" for k, v in segs.items()))
     base = None
     for name, params, kv_dtype in methods(loaded):
-        ppl = {k: float(np.exp(nll(params, loaded.config, ids, kv_dtype))) for k, ids in segs.items()}
+        dots_from = 1 if name == "bf16 dots" else 0
+        ppl = {k: float(np.exp(nll(params, loaded.config, ids, kv_dtype, dots_from))) for k, ids in segs.items()}
         base = base or ppl
         quantized = any(isinstance(w, QuantizedWeight) for w in params["layers"].values())
         ratio = f"{linear_ratio(params):.2f}x" if quantized else "-"

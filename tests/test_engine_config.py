@@ -42,14 +42,18 @@ def test_platform_defaults_fill_only_the_flags_not_given(platform: str, want: tu
     assert sized.scheduler_config().block_size == want[0]
     # The start-up log names what the CPU chose; explicit flags are kept and not reported.
     ngram = """--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'"""
-    assert config.platform_defaults == (("--block-size 64", "--kv-cache-dtype bfloat16", ngram)
+    dots = "--dtype auto (float32 weights, bfloat16 dots in steps of 64+ tokens)"
+    assert config.platform_defaults == (("--block-size 64", "--kv-cache-dtype bfloat16", ngram, dots)
                                         if platform == "cpu" else ())
+    assert sized.runner_config().bf16_dots_from == (64 if platform == "cpu" else 0)
     assert sized.scheduler_config().speculative == (SpeculativeConfig(num_speculative_tokens=4)
                                                     if platform == "cpu" else None)
-    exact = EngineConfig.resolve(EngineArgs(block_size=16, kv_cache_dtype="auto", speculative_config={}), 2048, platform)
+    exact = EngineConfig.resolve(EngineArgs(block_size=16, kv_cache_dtype="auto", speculative_config={},
+                                            dtype="float32"), 2048, platform)
     assert (exact.block_size, exact.kv_cache_dtype, exact.speculative, exact.platform_defaults) == (16, "auto", None, ())
+    assert exact.runner_config().bf16_dots_from == 0
     half = EngineConfig.resolve(EngineArgs(kv_cache_dtype="float32"), 2048, platform)
-    assert half.kv_cache_dtype == "float32" and half.platform_defaults == (("--block-size 64", ngram)
+    assert half.kv_cache_dtype == "float32" and half.platform_defaults == (("--block-size 64", ngram, dots)
                                                                            if platform == "cpu" else ())
     given = EngineConfig.resolve(EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                                  2048, platform)
@@ -60,9 +64,11 @@ def test_platform_defaults_fill_only_the_flags_not_given(platform: str, want: tu
 @pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
                                       dict(data_parallel_size=2), dict(num_hosts=2)])
 def test_cpu_ngram_default_only_on_one_device(parallel: dict) -> None:
-    """The n-gram default was measured on one CPU device; a parallel run drafts only when asked."""
+    """The n-gram and bfloat16-dot defaults were measured on one CPU device; a parallel run drafts
+    only when asked and keeps float32 dots."""
     config = EngineConfig.resolve(EngineArgs(**parallel), 2048, "cpu")
     assert config.speculative is None and config.platform_defaults == ("--block-size 64", "--kv-cache-dtype bfloat16")
+    assert config.bf16_dots_from == 0
 
 
 def test_parts_derived_and_nothing_written_back() -> None:

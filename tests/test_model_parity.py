@@ -68,3 +68,46 @@ def test_logits_match_transformers(family, tmp_path):
         ref = ref[len(p) - 1:]  # the last prompt position and each continuation position
         rel = np.abs(got - ref).max() / np.abs(ref).max()
         assert rel < 1e-4, f"{family}: max relative logit difference {rel:.2e}"
+
+
+def test_bf16_dots_from_a_token_count(tmp_path):
+    """The CPU's --dtype auto (llama.run_layers' bf16_dots_from): a batch of at least that many tokens
+    takes every projection as a bfloat16 x bfloat16 dot accumulated in float32, close to float32;
+    a smaller batch is the float32 program itself, bit for bit."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import llama
+    from jaxserve.models.attention import AttentionMetadata, make_kv_cache
+    from jaxserve.quantization.matmul import matmul
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (5, 64), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(1), (64, 48), jnp.float32)
+    rounded = x.astype(jnp.bfloat16).astype(jnp.float32) @ w.astype(jnp.bfloat16).astype(jnp.float32)
+    got = matmul(x, w, jnp.bfloat16)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(got, rounded, rtol=1e-5, atol=1e-5)  # exact products, float32 sums
+    assert not np.array_equal(got, x @ w)
+
+    make_hf_model("qwen2_bias_tied", tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32", progress=False)
+    params, cfg = loaded.params, loaded.config
+
+    def run(t: int, dots_from: int):
+        ids = jnp.asarray(np.random.default_rng(2).integers(0, 256, t), jnp.int32)
+        md = AttentionMetadata(jnp.arange(t, dtype=jnp.int32), jnp.asarray([t], jnp.int32),
+                               jnp.arange(t // 4, dtype=jnp.int32)[None], jnp.asarray([0, t], jnp.int32),
+                               jnp.asarray([1], jnp.int32))
+        kv = make_kv_cache(cfg.num_layers, cfg.num_kv_heads, t // 4, 4, cfg.head_dim, jnp.float32)
+        fwd = jax.jit(lambda p, kv: llama.forward(p, cfg, kv, ids, jnp.arange(t, dtype=jnp.int32), md,
+                                                  bf16_dots_from=dots_from)[1])
+        return np.asarray(fwd(params, kv)), fwd.lower(params, kv).as_text()
+
+    small, small_hlo = run(8, 16)
+    assert np.array_equal(small, run(8, 0)[0]) and "bf16" not in small_hlo
+    big, big_hlo = run(16, 16)
+    ref, ref_hlo = run(16, 0)
+    assert "bf16" in big_hlo and "bf16" not in ref_hlo
+    assert not np.array_equal(big, ref)
+    rel = np.abs(big - ref).max() / np.abs(ref).max()
+    assert rel < 2e-2, rel  # bfloat16's 8 mantissa bits, through 3 layers of large random weights

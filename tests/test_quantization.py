@@ -118,7 +118,7 @@ def _teacher_forced(llm: LLM) -> tuple[np.ndarray, float]:
 
 def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None:
     kw = dict(max_num_seqs=1, max_num_batched_tokens=128, max_model_len=512, progress=False)
-    ref = LLM(jax_default_model, kv_cache_dtype="auto", block_size=16, **kw)  # the exact float32 configuration
+    ref = LLM(jax_default_model, kv_cache_dtype="auto", block_size=16, dtype="float32", **kw)  # exact float32
     ref_top1, ref_nll = _teacher_forced(ref)
     # 128-token chunks: the text's later chunks read the earlier ones back from the bfloat16 pool.
     llm = LLM(jax_default_model, quantization="int8", kv_cache_dtype="bfloat16", block_size=64, **kw)

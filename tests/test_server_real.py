@@ -329,7 +329,8 @@ def test_jaxserve_serve_cli_starts_answers_and_exits_0_on_sigterm(tmp_path: Path
         assert ("CPU defaults for flags not given: --block-size 64 --kv-cache-dtype bfloat16 --speculative-config "
                 """'{"method": "ngram", "num_speculative_tokens": 4}'""") in log, log
         # how to get the exact float32 setting
-        assert "--block-size 16 --kv-cache-dtype auto --speculative-config '{}'" in log, log
+        assert "--block-size 16 --kv-cache-dtype auto --speculative-config '{}' --dtype float32" in log, log
+        assert "--dtype auto (float32 weights, bfloat16 dots in steps of 64+ tokens)" in log, log
         assert re.search(r"max concurrency [\d.]+ requests at max_model_len", log), log
         assert re.search(r"warm-up compiled in [\d.]+s", log), log
         # SIGTERM while a request is in flight: it still completes, then the process exits 0.

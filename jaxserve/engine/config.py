@@ -14,6 +14,8 @@ and returned (nothing is written back into EngineArgs):
         speculative             the speculative_config dict parsed, or the platform's default: n-gram drafts
                                 (k = 4) on one CPU device, none elsewhere; '{}' turns it off
         async_scheduling        the flag, or on for accelerators (one host), off on CPU
+        bf16_dots_from          --dtype auto on one CPU device: steps of 64+ tokens take bfloat16 dots
+                                (float32 weights and accumulation; llama.run_layers); 0 elsewhere
     config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
     config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
 """
@@ -44,6 +46,7 @@ class EngineConfig:
     platform_defaults: tuple[str, ...] = ()  # "flag value" for each default the platform picked
     speculative: SpeculativeConfig | None = None
     async_scheduling: bool = False  # the flag, or on for accelerators with one host, off on CPU
+    bf16_dots_from: int = 0  # steps of this many tokens or more take bfloat16 dots; 0: never
     num_gpu_blocks: int = 0  # 0 until with_blocks(): the KV pool is sized after the model is loaded
     num_cpu_blocks: int = 0  # the host swap pool (preemption_mode="swap")
 
@@ -63,12 +66,15 @@ class EngineConfig:
             if given is None and on_cpu]
         if default_drafts:
             chosen.append(f"--speculative-config '{json.dumps(speculative)}'")
+        bf16_dots_from = sizing.CPU_BF16_DOTS_FROM if on_cpu and args.dtype == "auto" and _one_device(args) else 0
+        if bf16_dots_from:
+            chosen.append(f"--dtype auto (float32 weights, bfloat16 dots in steps of {bf16_dots_from}+ tokens)")
         return cls(args=args, max_model_len=max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
                    attention_backend=resolve_attention_backend(args.attention_backend, platform),
                    block_size=block_size, kv_cache_dtype=kv_cache_dtype, platform_defaults=tuple(chosen),
                    speculative=SpeculativeConfig.parse(speculative),
-                   async_scheduling=_async_scheduling(args, on_cpu))
+                   async_scheduling=_async_scheduling(args, on_cpu), bf16_dots_from=bf16_dots_from)
 
     @property
     def min_blocks(self) -> int:
@@ -98,11 +104,13 @@ class EngineConfig:
         return RunnerConfig(
             num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype)
+            backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype,
+            bf16_dots_from=self.bf16_dots_from)
 
 
 def _one_device(args: EngineArgs) -> bool:
-    """The CPU's n-gram default is measured on one device (BENCHMARKS.md); parallel runs keep none."""
+    """The CPU's n-gram and bfloat16-dot defaults are measured on one device (BENCHMARKS.md); parallel
+    runs keep neither."""
     return (args.tensor_parallel_size, args.pipeline_parallel_size, args.data_parallel_size, args.num_hosts) == (1, 1, 1, 1)
 
 

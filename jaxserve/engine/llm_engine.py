@@ -294,9 +294,11 @@ def platform_defaults_note(config: EngineConfig) -> str:
     return (f"\nCPU defaults for flags not given: {' '.join(config.platform_defaults)} (the fastest measured on a "
             f"CPU: decode steps about 1.15x faster with 64-token blocks and 1.1-1.25x with a bfloat16 KV pool, "
             f"perplexity within 0.1% of float32; n-gram drafts verified for greedy requests, the same output, "
-            f"1.2-1.8x the output tokens/s; BENCHMARKS.md). The exact float32 configuration, the one held to "
+            f"1.2-1.8x the output tokens/s; bfloat16 dots, float32 accumulation, in steps of "
+            f"{sizing.CPU_BF16_DOTS_FROM}+ tokens: about 1.3x, perplexity within 0.2% of float32; "
+            f"BENCHMARKS.md). The exact float32 configuration, the one held to "
             f"transformers: --block-size {sizing.ACCELERATOR_BLOCK_SIZE} "
-            f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE} --speculative-config '{{}}'")
+            f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE} --speculative-config '{{}}' --dtype float32")
 
 
 def _read_template(value: str) -> str:

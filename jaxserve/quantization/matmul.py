@@ -2,7 +2,11 @@
 
 The path is picked here, never in the model (DESIGN.md rule 9):
 
-    float weight           x @ w
+    float weight           x @ w; with `dots` (the CPU's --dtype auto, in steps of 64+ tokens) both
+                           operands converted to bfloat16 in the program and accumulated in
+                           float32: XLA:CPU's bfloat16 dot is 1.2x float32's at 64 rows and 1.8x
+                           at 512 on a Zen 4 host (a weight stored as bfloat16 is slower than
+                           either: its dot takes another path)
     int8  (W8A8)           per-token int8 x, int8 x int8 dot, int32 accumulate, rescale
     fp8   (W8A8)           x scaled to float8_e4m3fn (per token, or the checkpoint's static
                            per-tensor scale), an f8 x f8 dot in XLA with float32 accumulation
@@ -30,13 +34,17 @@ from jaxserve.quantization.qweight import FP8_MAX, QuantizedWeight, dequantize
 DECODE_MAX_ROWS = 64  # the Pallas W4A16 kernel's range; larger M is compute-bound: XLA's dot
 
 
-def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] in x.dtype."""
+def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed, dots: jnp.dtype | None = None) -> jax.Array:
+    """x [..., K] @ w [K, N] -> [..., N] in x.dtype. `dots` (a float weight only): both operands
+    rounded to that dtype, the products accumulated in float32 (llama.run_layers' bf16_dots_from)."""
     if isinstance(w, Observed):  # calibration: report x's statistics, then the float product
         observe(x, w)
         return x @ w.weight
     if not isinstance(w, QuantizedWeight):
-        return x @ w
+        if dots is None or x.dtype == w.dtype == dots:
+            return x @ w
+        return jax.lax.dot_general(x.astype(dots), w.astype(dots), (((x.ndim - 1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
     if w.scheme == "int8":
         return _int8(x, w)
     if w.scheme == "fp8":

@@ -51,6 +51,7 @@ class RunnerConfig:
     backend: str = "xla"
     num_cpu_blocks: int = 0
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
+    bf16_dots_from: int = 0  # steps of this many tokens or more take bfloat16 dots (llama.run_layers); 0: none
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -133,7 +134,8 @@ class ModelRunner:
         self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
         self._copy_blocks = pipeline.per_stage(_copy_blocks) if pipeline is not None else _copy_blocks
         self._model_step = (pipeline.step if pipeline is not None else
-                            functools.partial(_model_step, cfg=self.cfg, backend=rc.backend))
+                            functools.partial(_model_step, cfg=self.cfg, backend=rc.backend,
+                                              bf16_dots_from=rc.bf16_dots_from))
         self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows,
                                               vocab_slices=_head_slices(self.params, mesh, pipeline))
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
@@ -178,7 +180,8 @@ class ModelRunner:
                                                      self._prev_tokens)
                 else:
                     _model_step.lower(self.params, self.kv, self._empty_batch(t, decode), rows, self._prev_tokens,
-                                      cfg=self.cfg, backend=self.rc.backend).compile()
+                                      cfg=self.cfg, backend=self.rc.backend,
+                                      bf16_dots_from=self.rc.bf16_dots_from).compile()
                 # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
                 _gather_rows(_rows_like(full, t), q_rows)
@@ -369,6 +372,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
     rows = np.zeros(step_seq_buckets(rc.max_num_seqs)[-1], np.int32)
     prev_tokens = np.zeros(rows.shape, np.int32)
-    compiled = _model_step.lower(model.params, kv, batch, rows, prev_tokens, cfg=cfg, backend=rc.backend).compile()
+    compiled = _model_step.lower(model.params, kv, batch, rows, prev_tokens, cfg=cfg, backend=rc.backend,
+                                 bf16_dots_from=rc.bf16_dots_from).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

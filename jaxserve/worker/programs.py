@@ -45,11 +45,11 @@ def num_compilations() -> int:
 
 
 # The model config is a static argument: one executable per (config, shapes).
-@functools.partial(jax.jit, static_argnames=("cfg", "backend"), donate_argnums=1)
-def _model_step(params, kv, batch: StepInput, rows, prev_tokens, *, cfg, backend):
+@functools.partial(jax.jit, static_argnames=("cfg", "backend", "bf16_dots_from"), donate_argnums=1)
+def _model_step(params, kv, batch: StepInput, rows, prev_tokens, *, cfg, backend, bf16_dots_from=0):
     # prev_tokens [P] i32: the previous step's sampled ids, still on the device (async scheduling)
     token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
-    kv, hidden = llama.forward(params, cfg, kv, token_ids, batch.positions, batch.attn, backend)
+    kv, hidden = llama.forward(params, cfg, kv, token_ids, batch.positions, batch.attn, backend, bf16_dots_from)
     return kv, hidden[rows], hidden  # [P, hidden]: the sampling tokens' last positions; [T, hidden]: all
 
 

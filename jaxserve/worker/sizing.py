@@ -170,7 +170,13 @@ def default_max_model_len(max_position_embeddings: int, on_cpu: bool) -> int:
 # On one CPU device, n-gram speculative decoding (k = 4): greedy requests verify drafts taken from
 # their own earlier tokens, 1.2-1.8x output tok/s in-process on issue 24's workloads; the output is
 # plain decoding's, and sampled requests never draft, so they pay nothing.
-# `--block-size 16 --kv-cache-dtype auto --speculative-config '{}'` is the exact float32 configuration.
+# On one CPU device, --dtype auto keeps float32 weights but runs the layers' projections of a step
+# of CPU_BF16_DOTS_FROM tokens or more as bfloat16 x bfloat16 dots accumulated in float32: 1.2x
+# float32's dot at 64 rows and 1.8x at 512 on a Zen 4 host (below 64 rows float32 is as fast or
+# faster); perplexity within 0.2% of float32 on every shipped text (BENCHMARKS.md).
+# `--block-size 16 --kv-cache-dtype auto --speculative-config '{}' --dtype float32` is the exact
+# float32 configuration.
+CPU_BF16_DOTS_FROM = 64
 CPU_BLOCK_SIZE, ACCELERATOR_BLOCK_SIZE = 64, 16
 CPU_KV_CACHE_DTYPE, ACCELERATOR_KV_CACHE_DTYPE = "bfloat16", "auto"
 CPU_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
