@@ -14,8 +14,9 @@ and returned (nothing is written back into EngineArgs):
         speculative             the speculative_config dict parsed, or the platform's default: n-gram drafts
                                 (k = 4) on one CPU device, none elsewhere; '{}' turns it off
         async_scheduling        the flag, or on for accelerators (one host), off on CPU
-        bf16_dots_from          --dtype auto on one CPU device: steps of 64+ tokens take bfloat16 dots
-                                (float32 weights and accumulation; llama.run_layers); 0 elsewhere
+        bf16_dots_from          --dtype auto on one CPU device with bfloat16 dot instructions: steps of
+                                64+ tokens take bfloat16 dots (float32 weights and accumulation;
+                                llama.run_layers); 0 elsewhere
     config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
     config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
 """
@@ -66,7 +67,7 @@ class EngineConfig:
             if given is None and on_cpu]
         if default_drafts:
             chosen.append(f"--speculative-config '{json.dumps(speculative)}'")
-        bf16_dots_from = sizing.CPU_BF16_DOTS_FROM if on_cpu and args.dtype == "auto" and _one_device(args) else 0
+        bf16_dots_from = sizing.default_bf16_dots_from(on_cpu) if args.dtype == "auto" and _one_device(args) else 0
         if bf16_dots_from:
             chosen.append(f"--dtype auto (float32 weights, bfloat16 dots in steps of {bf16_dots_from}+ tokens)")
         return cls(args=args, max_model_len=max_model_len,

@@ -16,8 +16,11 @@ No JAX arrays here: the partition plan is read as PartitionSpecs only.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from jaxserve.constants import CPU_MAX_MODEL_LEN
 from jaxserve.models.config import ModelConfig
@@ -170,16 +173,33 @@ def default_max_model_len(max_position_embeddings: int, on_cpu: bool) -> int:
 # On one CPU device, n-gram speculative decoding (k = 4): greedy requests verify drafts taken from
 # their own earlier tokens, 1.2-1.8x output tok/s in-process on issue 24's workloads; the output is
 # plain decoding's, and sampled requests never draft, so they pay nothing.
-# On one CPU device, --dtype auto keeps float32 weights but runs the layers' projections of a step
-# of CPU_BF16_DOTS_FROM tokens or more as bfloat16 x bfloat16 dots accumulated in float32: 1.2x
-# float32's dot at 64 rows and 1.8x at 512 on a Zen 4 host (below 64 rows float32 is as fast or
-# faster); perplexity within 0.2% of float32 on every shipped text (BENCHMARKS.md).
+# On one CPU device with bfloat16 dot instructions (cpu_has_bf16_dots), --dtype auto keeps float32
+# weights but runs the layers' projections of a step of CPU_BF16_DOTS_FROM tokens or more as
+# bfloat16 x bfloat16 dots accumulated in float32: 1.2x float32's dot at 64 rows and 1.8x at 512
+# on a Zen 4 host (below 64 rows float32 is as fast or faster); perplexity within 0.2% of
+# float32 on every shipped text (BENCHMARKS.md).
 # `--block-size 16 --kv-cache-dtype auto --speculative-config '{}' --dtype float32` is the exact
 # float32 configuration.
 CPU_BF16_DOTS_FROM = 64
 CPU_BLOCK_SIZE, ACCELERATOR_BLOCK_SIZE = 64, 16
 CPU_KV_CACHE_DTYPE, ACCELERATOR_KV_CACHE_DTYPE = "bfloat16", "auto"
 CPU_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_bf16_dots() -> bool:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512_BF16 or AMX-BF16: AMD Zen 4+,
+    Intel Cooper Lake, Sapphire Rapids+), which XLA:CPU's bfloat16 dot runs on. The CPU default
+    above is measured on such a host only; other CPUs keep float32 dots."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", info) is not None
+
+
+def default_bf16_dots_from(on_cpu: bool) -> int:
+    return CPU_BF16_DOTS_FROM if on_cpu and cpu_has_bf16_dots() else 0
 
 
 def default_block_size(on_cpu: bool) -> int:
