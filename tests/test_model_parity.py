@@ -88,6 +88,16 @@ def test_bf16_dots_from_a_token_count(tmp_path):
     assert got.dtype == jnp.float32
     np.testing.assert_allclose(got, rounded, rtol=1e-5, atol=1e-5)  # exact products, float32 sums
     assert not np.array_equal(got, x @ w)
+    # int8 weights (--quantization int8): x in bfloat16 times the int8 values, exact in bfloat16, then
+    # the scales (W8A16), instead of quantizing x too (W8A8)
+    from jaxserve.quantization.qweight import dequantize
+    from jaxserve.quantization.quantize import quantize_weight
+
+    q = quantize_weight(w, "int8")
+    w8a16 = (x.astype(jnp.bfloat16).astype(jnp.float32) @ q.values.astype(jnp.float32)) * q.scales[0]
+    np.testing.assert_allclose(matmul(x, q, jnp.bfloat16), w8a16, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(matmul(x, q), w8a16, rtol=1e-5, atol=1e-5)  # W8A8 quantizes x as well
+    np.testing.assert_allclose(matmul(x, q, jnp.bfloat16), x @ dequantize(q), rtol=0.05, atol=0.05)
 
     make_hf_model("qwen2_bias_tied", tmp_path)
     loaded = load_model(str(tmp_path), dtype="float32", progress=False)

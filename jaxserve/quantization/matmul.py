@@ -7,7 +7,8 @@ The path is picked here, never in the model (DESIGN.md rule 9):
                            float32: XLA:CPU's bfloat16 dot is 1.2x float32's at 64 rows and 1.8x
                            at 512 on a Zen 4 host (a weight stored as bfloat16 is slower than
                            either: its dot takes another path)
-    int8  (W8A8)           per-token int8 x, int8 x int8 dot, int32 accumulate, rescale
+    int8  (W8A8)           per-token int8 x, int8 x int8 dot, int32 accumulate, rescale; with
+                           `dots`, x in bfloat16 times the int8 values as bfloat16 (W8A16)
     fp8   (W8A8)           x scaled to float8_e4m3fn (per token, or the checkpoint's static
                            per-tensor scale), an f8 x f8 dot in XLA with float32 accumulation
                            (cuBLASLt's fp8 GEMM on Hopper), rescaled by both scales
@@ -43,10 +44,9 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed, dots: jnp.dt
     if not isinstance(w, QuantizedWeight):
         if dots is None or x.dtype == w.dtype == dots:
             return x @ w
-        return jax.lax.dot_general(x.astype(dots), w.astype(dots), (((x.ndim - 1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32).astype(x.dtype)
+        return _dot(x.astype(dots), w.astype(dots), jnp.float32).astype(x.dtype)
     if w.scheme == "int8":
-        return _int8(x, w)
+        return _int8(x, w) if dots is None else _int8_weights(x, w, dots)
     if w.scheme == "fp8":
         return _fp8(x, w)
     if w.perm is not None:
@@ -115,6 +115,13 @@ def _int8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     xq = jnp.round(xf * (127.0 / jnp.where(amax > 0, amax, 1.0))).astype(jnp.int8)  # |xq| <= 127
     acc = _dot(xq, w.values, jnp.int32)
     return (acc.astype(jnp.float32) * (amax / 127.0) * w.scales[0]).astype(x.dtype)
+
+
+def _int8_weights(x: jax.Array, w: QuantizedWeight, dots: jnp.dtype) -> jax.Array:
+    """int8 weights under `dots` (the CPU's large steps): x in bfloat16, not quantized, times the int8
+    values converted to bfloat16 (exact: |value| <= 127), float32 sums, then the weight's scales.
+    On a Zen 4 host 1.1x the int8 x int8 dot at 64 rows and 1.3x at 128-512, and closer to float."""
+    return (_dot(x.astype(dots), w.values.astype(dots), jnp.float32) * w.scales[0]).astype(x.dtype)
 
 
 def _fp8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
