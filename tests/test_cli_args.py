@@ -28,6 +28,12 @@ def test_defaults_match_engine_args() -> None:
     assert (config.server.host, config.server.port, config.server.api_key) == ("0.0.0.0", 8000, None)
 
 
+def test_help_renders_every_flag() -> None:
+    """`jaxserve serve --help` formats each flag's help (a bare % in one breaks all of argparse's)."""
+    text = add_serve_args(argparse.ArgumentParser(), positional_model=True).format_help()
+    assert "--dtype" in text and "bfloat16 dots" in text and "--kv-cache-dtype" in text
+
+
 def test_vllm_serve_flags() -> None:
     config = parse(["my-model", "--host", "127.0.0.1", "--port", "9000", "--served-model-name", "m",
                     "--dtype", "bfloat16", "--max-model-len", "1024", "--gpu-memory-utilization", "0.5",

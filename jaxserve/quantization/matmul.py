@@ -36,7 +36,7 @@ DECODE_MAX_ROWS = 64  # the Pallas W4A16 kernel's range; larger M is compute-bou
 
 
 def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed, dots: jnp.dtype | None = None) -> jax.Array:
-    """x [..., K] @ w [K, N] -> [..., N] in x.dtype. `dots` (a float weight only): both operands
+    """x [..., K] @ w [K, N] -> [..., N] in x.dtype. `dots` (float and int8 weights): both operands
     rounded to that dtype, the products accumulated in float32 (llama.run_layers' bf16_dots_from)."""
     if isinstance(w, Observed):  # calibration: report x's statistics, then the float product
         observe(x, w)
