@@ -13,7 +13,8 @@ Methods:
   awq W4 g64 (RTN)     round-to-nearest asymmetric packed in AutoAWQ's layout (no activation-aware scaling)
   kv fp8 (e4m3)        float32 weights over an fp8 KV pool
   bf16 dots            float32 weights, every projection a bfloat16 x bfloat16 dot accumulated in
-                       float32: the CPU's `--dtype auto` in steps of 64+ tokens (here every token)
+                       float32: the CPU's `--dtype auto` in steps of 64+ tokens (here every token),
+                       and the LM head's (its sampler's, every step)
 Group size 64 because SmolLM2's hidden size (576) is not a multiple of 128.
 Needs torch and compressed-tensors (the `test` extra). CPU, about a minute per method on 2 cores.
 
@@ -67,7 +68,11 @@ def nll(params, cfg, ids: np.ndarray, kv_dtype, bf16_dots_from: int = 0) -> floa
     kv = make_kv_cache(cfg.num_layers, cfg.num_kv_heads, nb, bs, cfg.head_dim, kv_dtype)
     _, hidden = llama.forward(params, cfg, kv, jnp.asarray(ids, jnp.int32), jnp.arange(t, dtype=jnp.int32), md,
                               bf16_dots_from=bf16_dots_from)
-    logp = jax.nn.log_softmax(llama.compute_logits(params, hidden), axis=-1)
+    if bf16_dots_from:  # the LM head as the CPU's sampler takes it then: bfloat16 dots, float32 sums
+        logits = llama.slice_logits(params, hidden, jnp.int32(0), params["embed"].shape[0], jnp.bfloat16)
+    else:
+        logits = llama.compute_logits(params, hidden)
+    logp = jax.nn.log_softmax(logits, axis=-1)
     return float(-jnp.mean(logp[jnp.arange(t - 1), jnp.asarray(ids[1:])]))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -378,3 +380,64 @@ def test_greedy_head_in_vocabulary_slices_matches_the_whole_head():
         assert asks.get("logit_bias") is None or whole.token_ids[5] == 7
         for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(sliced)):
             np.testing.assert_array_equal(a, b)
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    return np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("head", ["tied", "untied", "int8"])
+def test_greedy_head_slices_of_every_head_and_in_bfloat16(head):
+    """The sliced greedy sampler takes an untied float lm_head and a per-channel int8 one (columns of
+    values and scales) as it takes a tied embedding: same tokens, logprobs and ranks as the whole
+    head. With head_dots (the CPU's bfloat16 dots) it runs below SLICED_MIN_ROWS too, and gives
+    the argmax and log-softmax of bfloat16 x bfloat16 products summed in float32."""
+    from jaxserve.quantization.quantize import quantize_weight
+    from jaxserve.sample.sampler import SLICED_MIN_ROWS
+    from jaxserve.worker.model_runner import _head_slices
+    from jaxserve.worker.programs import _sample_step
+    rng = np.random.default_rng(7)
+    hidden_size = 16
+    embed = rng.standard_normal((VOCAB, hidden_size)).astype(np.float32)
+    w = rng.standard_normal((hidden_size, VOCAB)).astype(np.float32)  # [H, V]
+    params = {"embed": jnp.asarray(embed)}
+    if head == "untied":
+        params["lm_head"] = jnp.asarray(w)
+    elif head == "int8":
+        params["lm_head"] = quantize_weight(jnp.asarray(w))
+    # the runner slices every such head (at a real vocabulary's size), not an fp8 one
+    big = {"embed": jnp.zeros((49152, hidden_size))}
+    if head != "tied":
+        big["lm_head"] = jnp.zeros((hidden_size, 49152))
+    if head == "int8":
+        big["lm_head"] = quantize_weight(big["lm_head"])
+        assert _head_slices({**big, "lm_head": dataclasses.replace(big["lm_head"], scheme="fp8")}, None, None) == 0
+        q = params["lm_head"]
+        values, scales = np.asarray(q.values, np.float64), np.asarray(q.scales, np.float64)[0]
+    assert _head_slices(big, None, None) == 12
+    for num_rows in (8, SLICED_MIN_ROWS):
+        hidden = rng.standard_normal((num_rows, hidden_size)).astype(np.float32)
+        md = SamplingMetadata.build([_row(SamplingParams(temperature=0.0)) for _ in range(num_rows)], num_rows,
+                                    MAX_MODEL_LEN)
+        run = lambda **kw: jax.device_get(_sample_step(params, jnp.asarray(hidden), md, num_rows=num_rows, **kw)[0])
+        whole, sliced, dots = run(), run(vocab_slices=4), run(vocab_slices=4, head_dots=True)
+        if num_rows >= SLICED_MIN_ROWS:  # float32 products in slices: the whole head's result
+            np.testing.assert_array_equal(sliced.token_ids, whole.token_ids)
+            np.testing.assert_allclose(sliced.logprobs, whole.logprobs, rtol=1e-5, atol=1e-5)
+            np.testing.assert_array_equal(sliced.ranks, whole.ranks)
+        x = _bf16(hidden)  # bfloat16 operands, exact products and sums
+        if head == "tied":
+            ref = x @ _bf16(embed).T
+        elif head == "untied":
+            ref = x @ _bf16(w)
+        else:  # W8A16: the int8 values are exact in bfloat16, the scales after the sum
+            ref = (x @ values) * scales
+        ref_logprob = -np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1))  # of the max
+        gap = np.sort(ref, -1)[:, -1] - np.sort(ref, -1)[:, -2]
+        clear = gap > 1e-3  # rows whose top two are not within float32 rounding of each other
+        assert clear.sum() >= num_rows - 1
+        np.testing.assert_array_equal(dots.token_ids[clear], ref.argmax(-1)[clear])
+        np.testing.assert_allclose(dots.logprobs, ref_logprob, rtol=1e-4, atol=1e-4)
+        assert (dots.ranks == 1).all()
+        # not the float32 head's logits: bfloat16 rounding moved the logprobs
+        assert np.abs(dots.logprobs - whole.logprobs).max() > 1e-6

@@ -16,7 +16,8 @@ and returned (nothing is written back into EngineArgs):
         async_scheduling        the flag, or on for accelerators (one host), off on CPU
         bf16_dots_from          --dtype auto on one CPU device with bfloat16 dot instructions: steps of
                                 64+ tokens take bfloat16 dots (float32 weights and accumulation;
-                                llama.run_layers); 0 elsewhere
+                                llama.run_layers), and so does the sampler's LM head in every step
+                                (programs._sample_step's head_dots); 0 elsewhere
     config.with_blocks(num_gpu_blocks, num_cpu_blocks)   after KV sizing (profiling on GPU)
     config.scheduler_config() -> SchedulerConfig,  config.runner_config() -> RunnerConfig
 """

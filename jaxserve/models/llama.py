@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jaxserve.models import attention
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.quantization.matmul import matmul
+from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
 from jaxserve.models.rope import apply_rope, inv_frequencies
 
 Params = dict[str, jax.Array | dict[str, jax.Array]]
@@ -135,6 +135,18 @@ def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
     """hidden: [N, hidden] -> float32 logits [N, vocab]."""
     head = params.get("lm_head")
     logits = matmul(hidden, params["embed"].T if head is None else head)
+    return logits.astype(jnp.float32)
+
+
+def slice_logits(params: Params, hidden: jax.Array, start: jax.Array, size: int,
+                 dots: jnp.dtype | None = None) -> jax.Array:
+    """compute_logits' columns [start, start + size) (start may be traced): the head's columns
+    only, from the tied embedding's rows or an lm_head's columns (float or int8)."""
+    head = params.get("lm_head")
+    if head is None:
+        logits = matmul_transposed(hidden, jax.lax.dynamic_slice_in_dim(params["embed"], start, size, 0), dots)
+    else:
+        logits = matmul(hidden, columns(head, start, size), dots)
     return logits.astype(jnp.float32)
 
 

@@ -25,6 +25,8 @@ memory every step; an int8 x int8 dot is native and ~1.6x faster than float32 he
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -58,6 +60,33 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed, dots: jnp.dt
     # Chosen when the program is lowered, for the platform it is lowered for: an export for
     # cuda from a CPU host gets the kernel, a CPU run the XLA dot.
     return jax.lax.platform_dependent(x, cuda=lambda x: w4a16_kernel(x, w), default=xla)
+
+
+def matmul_transposed(x: jax.Array, w: jax.Array, dots: jnp.dtype | None = None) -> jax.Array:
+    """x [..., K] @ w.T for a float w [N, K] stored a row per output (a tied embedding as the LM head).
+    With `dots`, both operands converted and contracted on w's K as stored: converting w.T instead
+    made XLA:CPU copy the transpose (the head's bfloat16 slices then ran no faster than float32)."""
+    if dots is None:
+        return x @ w.T
+    return jax.lax.dot_general(x.astype(dots), w.astype(dots), (((x.ndim - 1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def has_columns(w: object) -> bool:
+    """Whether `columns` slices this weight: a float array, or per-channel int8."""
+    return isinstance(w, jax.Array) or (isinstance(w, QuantizedWeight) and w.scheme == "int8"
+                                        and w.scales.shape[-2] == 1)
+
+
+def columns(w: jax.Array | QuantizedWeight, start: jax.Array, size: int) -> jax.Array | QuantizedWeight:
+    """Columns [start, start + size) of a [K, N] weight (start may be traced): a float weight's, or an
+    int8 weight's values and per-column scales, which matmul then takes as it takes the whole."""
+    if not has_columns(w):
+        raise ValueError(f"columns: only float and per-channel int8 weights are sliced, got {w.scheme}")
+    if not isinstance(w, QuantizedWeight):
+        return jax.lax.dynamic_slice_in_dim(w, start, size, 1)
+    return dataclasses.replace(w, values=jax.lax.dynamic_slice_in_dim(w.values, start, size, 1),
+                               scales=jax.lax.dynamic_slice_in_dim(w.scales, start, size, 1))
 
 
 def w4a16_kernel(x: jax.Array, w: QuantizedWeight, interpret: bool = False) -> jax.Array:

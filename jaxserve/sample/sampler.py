@@ -25,6 +25,7 @@ than what replaces them here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -212,7 +213,10 @@ def _random_sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
 # Greedy rows from the hidden states in vocabulary slices (`sample_greedy_in_slices`): XLA:CPU
 # takes 14-20 ms more for argmax and log-softmax over [64, 49152] materialised logits than over
 # the same values a [64, 4096] slice at a time, which stays in cache (sampler rows >= 48 only: at 8-32
-# rows the one big product is as fast).
+# rows the one big product is as fast). With the CPU's bfloat16 dots (_sample_step's head_dots) every
+# plain greedy step takes the slices: a bfloat16 dot over the whole head converts all of it first
+# (31-58 ms at 8-64 rows against float32's 11-51), a slice's stays in cache (16.5 ms at 64 rows
+# against float32 slices' 26.8, 7.0 at 8 against 9.9, Zen 4).
 VOCAB_SLICE = 4096
 SLICED_MIN_ROWS = 48
 
@@ -234,26 +238,28 @@ def plain_greedy(md: SamplingMetadata) -> jax.Array:
              | jnp.any(md.num_logprobs > 0))
 
 
-def sample_greedy_in_slices(hidden: jax.Array, embed: jax.Array, num_slices: int) -> SamplerOutput:
-    """What `sample` gives for plain greedy rows (see plain_greedy), from hidden [S, H] and a tied
-    head embed [V, H], one vocabulary slice at a time: a running max, its first index and the
-    rescaled sum of exponentials (the log-softmax normaliser). The sampled token is the max, so
-    its rank is 1 and its logprob is -log(sum exp(logits - max))."""
-    num_rows, vocab_size = hidden.shape[0], embed.shape[0]
+def sample_greedy_in_slices(num_rows: int, vocab_size: int, num_slices: int,
+                            slice_logits: Callable[[jax.Array, int], jax.Array]) -> SamplerOutput:
+    """What `sample` gives for plain greedy rows (see plain_greedy), one vocabulary slice of the
+    head at a time: `slice_logits(start, size)` is the float32 logits [num_rows, size] of tokens
+    [start, start + size). A running max, its first index and the rescaled sum of exponentials
+    (the log-softmax normaliser): the sampled token is the max, so its rank is 1 and its
+    logprob is -log(sum exp(logits - max))."""
     size = vocab_size // num_slices
 
-    def one_slice(carry, w):
-        best, token, total, start = carry
-        logits = (hidden @ w.T).astype(jnp.float32)  # [S, size], as llama.compute_logits
+    def one_slice(carry, start):
+        best, token, total = carry
+        logits = slice_logits(start, size)  # [S, size]
         m = jnp.max(logits, axis=-1)
         first = argmax(logits) + start
         new_best = jnp.maximum(best, m)
         total = total * jnp.exp(best - new_best) + jnp.sum(jnp.exp(logits - new_best[:, None]), axis=-1)
-        return (new_best, jnp.where(m > best, first, token), total, start + size), None
+        return (new_best, jnp.where(m > best, first, token), total), None
 
     init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.int32),
-            jnp.zeros((num_rows,), jnp.float32), jnp.int32(0))
-    (_, token, total, _), _ = jax.lax.scan(one_slice, init, embed.reshape(num_slices, size, -1))
+            jnp.zeros((num_rows,), jnp.float32))
+    starts = jnp.arange(num_slices, dtype=jnp.int32) * size
+    (_, token, total), _ = jax.lax.scan(one_slice, init, starts)
     top_logprobs, top_ids = _no_top(num_rows)
     return SamplerOutput(token_ids=token, logprobs=-jnp.log(total), ranks=jnp.ones((num_rows,), jnp.int32),
                          top_ids=top_ids, top_logprobs=top_logprobs)

@@ -37,6 +37,7 @@ from jaxserve.sample.sampler import SamplerOutput, vocab_slices
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
+from jaxserve.quantization.matmul import has_columns
 from jaxserve.weights.loader import LoadedModel
 
 PROMPT_LOGPROB_ROWS = 64  # prompt positions per prompt-logprobs program call
@@ -137,7 +138,8 @@ class ModelRunner:
                             functools.partial(_model_step, cfg=self.cfg, backend=rc.backend,
                                               bf16_dots_from=rc.bf16_dots_from))
         self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows,
-                                              vocab_slices=_head_slices(self.params, mesh, pipeline))
+                                              vocab_slices=_head_slices(self.params, mesh, pipeline),
+                                              head_dots=rc.bf16_dots_from > 0)
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
         # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
         # A mesh (or pipeline stages) over several processes: host inputs go to the programs as
@@ -342,12 +344,13 @@ def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:
 
 def _head_slices(params, mesh: Mesh | None, pipeline) -> int:
     """The sampler's vocabulary slices (sampler.sample_greedy_in_slices) for this model: on a CPU,
-    one device, with a tied float head whose vocabulary splits evenly; else 0 (the whole head)."""
-    embed = params.get("embed")
-    if (mesh is not None or pipeline is not None or "lm_head" in params or not isinstance(embed, jax.Array)
-            or embed.ndim != 2 or {d.platform for d in embed.devices()} != {"cpu"}):
+    one device, with a tied float head or a float or per-channel int8 lm_head, whose vocabulary
+    splits evenly; else 0 (the whole head)."""
+    embed, head = params.get("embed"), params.get("lm_head")
+    if (mesh is not None or pipeline is not None or not isinstance(embed, jax.Array) or embed.ndim != 2
+            or {d.platform for d in embed.devices()} != {"cpu"}):
         return 0
-    return vocab_slices(embed.shape[0])
+    return vocab_slices(embed.shape[0]) if head is None or has_columns(head) else 0
 
 
 def _sampled(so: SamplerOutput, i: int, token_id: int, num_top: int) -> SampledToken:

@@ -69,21 +69,28 @@ def _prompt_logprobs_step(params, hidden, targets) -> SamplerOutput:
     return compute_logprobs(llama.compute_logits(params, hidden), targets)
 
 
-@functools.partial(jax.jit, static_argnames=("num_rows", "vocab_slices"))
-def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int,
-                 vocab_slices: int = 0) -> tuple[SamplerOutput, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("num_rows", "vocab_slices", "head_dots"))
+def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int, vocab_slices: int = 0,
+                 head_dots: bool = False) -> tuple[SamplerOutput, jax.Array]:
     """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs.
-    vocab_slices > 0 (the runner's choice: CPU, one device, a float tied head): a step of at least
+    vocab_slices > 0 (the runner's choice: CPU, one device, a float or int8 head): a step of at least
     SLICED_MIN_ROWS plain greedy rows takes the head a vocabulary slice at a time (a lax.cond, the
-    same program)."""
+    same program). head_dots (the CPU's bfloat16 dots, engine/config.py): those slices at every row
+    count, each a bfloat16 dot accumulated in float32 (1.5x float32's slices at 32-64 rows on a
+    Zen 4); other batches take the whole head in float32."""
     hidden = hidden[: md.temperature.shape[0]]  # LM head on S rows only
+    dots = jnp.bfloat16 if head_dots else None
 
     def full():
         return sample(llama.compute_logits(params, hidden), md)
 
-    if vocab_slices and hidden.shape[0] >= SLICED_MIN_ROWS and md.all_greedy and not md.use_penalties:
-        so = jax.lax.cond(plain_greedy(md), lambda: sample_greedy_in_slices(hidden, params["embed"], vocab_slices),
-                          full)
+    def sliced():
+        return sample_greedy_in_slices(hidden.shape[0], params["embed"].shape[0], vocab_slices,
+                                       lambda start, size: llama.slice_logits(params, hidden, start, size, dots))
+
+    if (vocab_slices and (head_dots or hidden.shape[0] >= SLICED_MIN_ROWS) and md.all_greedy
+            and not md.use_penalties):
+        so = jax.lax.cond(plain_greedy(md), sliced, full)
     else:
         so = full()
     return so, jnp.zeros((num_rows,), jnp.int32).at[: so.token_ids.shape[0]].set(so.token_ids)

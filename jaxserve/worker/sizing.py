@@ -176,8 +176,9 @@ def default_max_model_len(max_position_embeddings: int, on_cpu: bool) -> int:
 # On one CPU device with bfloat16 dot instructions (cpu_has_bf16_dots), --dtype auto keeps float32
 # weights but runs the layers' projections of a step of CPU_BF16_DOTS_FROM tokens or more as
 # bfloat16 x bfloat16 dots accumulated in float32: 1.2x float32's dot at 64 rows and 1.8x at 512
-# on a Zen 4 host (below 64 rows float32 is as fast or faster); perplexity within 0.2% of
-# float32 on every shipped text (BENCHMARKS.md).
+# on a Zen 4 host (below 64 rows float32 is as fast or faster); the sampler's LM head takes them in
+# every step, a vocabulary slice at a time (1.5x float32's at 32-64 rows); perplexity within
+# 0.2% of float32 on every shipped text (BENCHMARKS.md).
 # `--block-size 16 --kv-cache-dtype auto --speculative-config '{}' --dtype float32` is the exact
 # float32 configuration.
 CPU_BF16_DOTS_FROM = 64
