@@ -63,8 +63,8 @@ _HELP = {
     "served_model_name": "the name clients pass as `model` (default: the model argument)",
     "dtype": ("weights' dtype; auto: bfloat16 on accelerators, float32 on CPUs, where on one device of a "
               "CPU with bfloat16 dot instructions (AVX512_BF16, AMX) the projections of a step of 64+ tokens "
-              "and the sampler's LM head are bfloat16 dots accumulated in float32 (about 1.3x, perplexity within 0.2 percent of float32); "
-              "float32: float32 throughout"),
+              "and the sampler's LM head are bfloat16 dots accumulated in float32 (about 1.3x, perplexity "
+              "within 0.2 percent of float32); float32: float32 throughout"),
     "max_model_len": "context length: prompt plus completion (default: the model's, capped at 2048 on CPU)",
     "gpu_memory_utilization": "fraction of accelerator memory for weights, activations and the KV pool",
     "num_gpu_blocks_override": "KV blocks to allocate, skipping memory profiling",

@@ -68,8 +68,7 @@ def matmul_transposed(x: jax.Array, w: jax.Array, dots: jnp.dtype | None = None)
     made XLA:CPU copy the transpose (the head's bfloat16 slices then ran no faster than float32)."""
     if dots is None:
         return x @ w.T
-    return jax.lax.dot_general(x.astype(dots), w.astype(dots), (((x.ndim - 1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(x.dtype)
+    return _dot(x.astype(dots), w.astype(dots), jnp.float32, b_axis=1).astype(x.dtype)
 
 
 def has_columns(w: object) -> bool:
@@ -134,8 +133,9 @@ def _kernel_fits(w: QuantizedWeight, rows: int) -> bool:
     return supported(k, n, w.group_size)
 
 
-def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype) -> jax.Array:
-    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=acc)
+def _dot(a: jax.Array, b: jax.Array, acc: jnp.dtype, b_axis: int = 0) -> jax.Array:
+    """a's last axis contracted with b's axis b_axis (0: b is [K, N]; 1: b is [N, K]), summed in acc."""
+    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (b_axis,)), ((), ())), preferred_element_type=acc)
 
 
 def _int8(x: jax.Array, w: QuantizedWeight) -> jax.Array:
