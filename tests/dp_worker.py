@@ -19,7 +19,7 @@ import httpx  # noqa: E402
 
 from jaxserve import LLM, SamplingParams  # noqa: E402
 from jaxserve.engine.args import EngineArgs  # noqa: E402
-from jaxserve.engine.data_parallel import DataParallelAsyncLLM  # noqa: E402
+from jaxserve.engine.async_llm import DataParallelAsyncLLM  # noqa: E402
 from jaxserve.entrypoints.openai.api_server import build_app  # noqa: E402
 from jaxserve.weights.loader import load_model  # noqa: E402
 from tests.fake_engine import serve_in_thread  # noqa: E402

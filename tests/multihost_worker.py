@@ -85,7 +85,7 @@ def main(argv: list[str]) -> None:
         result["num_devices"] = jax.device_count()
     else:
         port, rank = argv[3:5]
-        from jaxserve.worker import multihost
+        from jaxserve.engine import multihost
 
         layout = dict(pipeline_parallel_size=2) if pp else dict(tensor_parallel_size=2)
         args = EngineArgs(model=model_dir, num_hosts=2, host_rank=int(rank), coordinator=f"127.0.0.1:{port}",

@@ -200,7 +200,7 @@ def test_multihost_flags_are_validated():
 
 
 def test_multihost_is_enabled_by_flags_or_the_jax_environment(monkeypatch):
-    from jaxserve.worker import multihost
+    from jaxserve.engine import multihost
 
     monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
     assert not multihost.is_enabled(EngineArgs())

@@ -164,8 +164,14 @@ def test_engine_refuses_before_loading_when_the_weights_cannot_fit(monkeypatch):
     cfg = read_model("meta-llama/Llama-3.1-70B-Instruct").config
     monkeypatch.setattr(kv_sizing, "device_memory_bytes", lambda: 81920 << 20)  # an A100-80GB
     with pytest.raises(ValueError, match=r"gpu_memory_utilization: weights \(141\d{9} bytes\)"):
-        kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096), cfg, 2)
-    kv_sizing.refuse_oversized_weights(EngineArgs(max_model_len=4096, tensor_parallel_size=2), cfg, 2)
+        kv_sizing.refuse_oversized_weights(cfg, 2, **_fit_flags(EngineArgs(max_model_len=4096)))
+    kv_sizing.refuse_oversized_weights(cfg, 2, **_fit_flags(EngineArgs(max_model_len=4096, tensor_parallel_size=2)))
+
+
+def _fit_flags(args: EngineArgs) -> dict:
+    names = ("tensor_parallel_size", "pipeline_parallel_size", "quantization", "max_model_len",
+             "max_num_batched_tokens", "enable_chunked_prefill", "max_num_seqs", "gpu_memory_utilization")
+    return {name: getattr(args, name) for name in names}
 
 
 def test_pipeline_parallel_is_accepted_with_data_parallel_and_several_hosts():

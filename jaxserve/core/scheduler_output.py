@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from jaxserve.constants import PreemptionMode
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.spec_decode import SpeculativeConfig
+from jaxserve.core.spec_config import SpeculativeConfig
 from jaxserve.core.validation import config_dataclass
 
 PositiveInt = Annotated[int, Field(ge=1)]

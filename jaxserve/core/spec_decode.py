@@ -19,57 +19,11 @@ Pure Python, no JAX.
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING, Annotated, Literal, get_args
-
-from pydantic import Field, model_validator
 
 from jaxserve.core.request import Request
-from jaxserve.core.validation import config_dataclass
-
-if TYPE_CHECKING:
-    from jaxserve.core.scheduler_output import SampledToken
-
-SpeculativeMethod = Literal["ngram"]
-SPECULATIVE_METHODS = get_args(SpeculativeMethod)
-
-
-@config_dataclass(prefix="speculative_config.")
-class SpeculativeConfig:
-    num_speculative_tokens: Annotated[int, Field(ge=1)]  # k: most drafts per request and step
-    method: SpeculativeMethod = "ngram"
-    prompt_lookup_max: Annotated[int, Field(ge=1)] = 4  # longest suffix n-gram looked up
-    prompt_lookup_min: Annotated[int, Field(ge=1)] = 1  # shortest
-    # Propose nothing in a step while more requests than this are running (None: no limit).
-    disable_by_batch_size: Annotated[int, Field(ge=1)] | None = None
-
-    @model_validator(mode="after")
-    def _check_lookup(self) -> "SpeculativeConfig":
-        if self.prompt_lookup_max < self.prompt_lookup_min:
-            raise ValueError(f"speculative_config.prompt_lookup_max must be >= prompt_lookup_min "
-                             f"({self.prompt_lookup_min}), got {self.prompt_lookup_max!r}")
-        return self
-
-    @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
-        """EngineArgs.speculative_config (a dict, as vLLM takes it) -> a SpeculativeConfig; None stays None,
-        and an empty dict (`--speculative-config '{}'`) is None too: no speculative decoding, which
-        turns off the CPU's default (engine/config.py)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if value == {}:
-            return None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict such as {{\"method\": \"ngram\", "
-                             f"\"num_speculative_tokens\": 3}}, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "disable_by_batch_size"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
-        if "num_speculative_tokens" not in value:
-            raise ValueError("speculative_config.num_speculative_tokens is required")
-        return cls(**value)
-
+from jaxserve.core.scheduler_output import SampledToken
+# the flag's dataclass lives below the scheduler's output (which holds it); still importable from here
+from jaxserve.core.spec_config import SPECULATIVE_METHODS, SpeculativeConfig, SpeculativeMethod  # noqa: F401
 
 def _continuation(token_ids: list[int], start: int, k: int) -> list[int]:
     """k tokens as the sequence went on from `start`. A match that reaches the end (a loop whose
@@ -135,8 +89,8 @@ def propose_drafts(spec: SpeculativeConfig | None, req: Request, num_new: int, l
     return propose_ngram(req.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
 
-def accept_tokens(req: Request, sampled: list["SampledToken"], drafts: list[int], max_model_len: int,
-                  running: bool) -> list["SampledToken"]:
+def accept_tokens(req: Request, sampled: list[SampledToken], drafts: list[int], max_model_len: int,
+                  running: bool) -> list[SampledToken]:
     """Append the sampled token, then each draft row's token while the model agreed with the draft
     before it; stop at the first stop condition. Returns the tokens appended (1 + drafts accepted).
     `running`: False for a request preempted since the step was scheduled, whose KV is recomputed

@@ -17,13 +17,16 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import fields
 
 from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.data_parallel import replica_engines
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
+from jaxserve.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
@@ -48,8 +51,6 @@ class AsyncLLM:
     def from_engine_args(cls, args: EngineArgs):
         """One engine, or with --data-parallel-size > 1 a DataParallelAsyncLLM of replicas."""
         if args.data_parallel_size > 1:
-            from jaxserve.engine.data_parallel import DataParallelAsyncLLM
-
             return DataParallelAsyncLLM.from_engine_args(args)
         return cls(LLMEngine(args))
 
@@ -168,3 +169,61 @@ class AsyncLLM:
             self.errored = True
             for rid in list(self._streams):
                 self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+
+
+# ---- data parallelism: M replicas (engine/data_parallel.py builds their engines) behind one front ----
+class DataParallelAsyncLLM:
+    def __init__(self, replicas: list[AsyncLLM]) -> None:
+        self.replicas = replicas
+        first = replicas[0]
+        self.tokenizer, self.max_model_len, self.model_name = first.tokenizer, first.max_model_len, first.model_name
+        self.block_size = first.block_size
+        self.in_flight = [0] * len(replicas)
+        self.num_served = [0] * len(replicas)  # requests each replica has taken, for logs and tests
+        self._owner: dict[str, int] = {}
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, model: LoadedModel | None = None,
+                         progress: bool = True) -> "DataParallelAsyncLLM":
+        return cls([AsyncLLM(e) for e in replica_engines(args, model, progress)])
+
+    @property
+    def errored(self) -> bool:
+        return any(r.errored for r in self.replicas)
+
+    def startup_report(self) -> str:
+        return "\n".join(f"replica {i}: {r.startup_report()}" for i, r in enumerate(self.replicas))
+
+    async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
+                       *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+        i = min(range(len(self.replicas)), key=lambda k: (self.in_flight[k], self.num_served[k]))
+        self.in_flight[i] += 1
+        self.num_served[i] += 1
+        self._owner[request_id] = i
+        try:
+            async for out in self.replicas[i].generate(prompt, sampling_params, request_id):
+                yield out
+        finally:
+            self.in_flight[i] -= 1
+            self._owner.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        i = self._owner.get(request_id)
+        if i is not None:
+            await self.replicas[i].abort(request_id)
+
+    def get_stats(self) -> EngineStats:
+        """Counts and counters summed over replicas; cache usage averaged, weighted by pool size."""
+        stats = [r.get_stats() for r in self.replicas]
+        total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)}
+        for name, blocks in (("kv_cache_usage", "num_gpu_blocks"), ("cpu_cache_usage", "num_cpu_blocks")):
+            weight = sum(getattr(s, blocks) for s in stats)
+            total[name] = sum(getattr(s, name) * getattr(s, blocks) for s in stats) / weight if weight else 0.0
+        # Compilations are counted per process, and every replica sees the same counter.
+        total["num_compilations"] = stats[0].num_compilations
+        total["num_compilations_after_warmup"] = max(s.num_compilations_after_warmup for s in stats)
+        return EngineStats(**total)
+
+    def shutdown(self) -> None:
+        for r in self.replicas:
+            r.shutdown()

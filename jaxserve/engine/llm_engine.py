@@ -43,6 +43,7 @@ from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
+from jaxserve.weights.source import describe_model
 
 PromptType = str | list[int] | dict
 
@@ -70,12 +71,16 @@ class LLMEngine:
             mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
         if model is None:
+            source = describe_model(args.model)  # what the model is, before reading any weight
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
-                from jaxserve.plan.source import read_model
-
-                refuse_oversized_weights(args, read_model(args.model).config,
-                                         jnp.dtype(resolve_dtype(args.dtype)).itemsize)
-            model = load_model(args.model, args.dtype, progress, mesh=mesh, quantization=args.quantization)
+                refuse_oversized_weights(
+                    source.config, jnp.dtype(resolve_dtype(args.dtype)).itemsize,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                    pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
+                    max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                    enable_chunked_prefill=args.enable_chunked_prefill, max_num_seqs=args.max_num_seqs,
+                    gpu_memory_utilization=args.gpu_memory_utilization)
+            model = load_model(source, args.dtype, progress, mesh=mesh, quantization=args.quantization)
         elif mesh is not None:
             model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
         if args.quantization in ON_LOAD_METHODS and model.quantization is None:
@@ -133,11 +138,14 @@ class LLMEngine:
         self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
                                                            args.quantization)
         self.activation_bytes = 0
-        if needs_profile(args):
+        if needs_profile(args.num_gpu_blocks_override):
             probe = config.with_blocks(config.min_blocks + 1).runner_config()
             self.activation_bytes = (self.pipeline is None and activation_bytes(self.model, probe)) or \
                 sizing.activation_bytes_estimate(cfg, config.max_num_batched_tokens, args.max_num_seqs, width, tp)
-        num_gpu = num_device_blocks(args, per_block, self.weight_bytes, self.activation_bytes, config.min_blocks)
+        num_gpu = num_device_blocks(per_block, self.weight_bytes, self.activation_bytes, config.min_blocks,
+                                    num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                    gpu_memory_utilization=args.gpu_memory_utilization,
+                                    kv_cache_memory=args.kv_cache_memory)
         num_cpu = int(args.swap_space * (1 << 30)) // per_block if args.preemption_mode == "swap" else 0
         return config.with_blocks(num_gpu, num_cpu)
 

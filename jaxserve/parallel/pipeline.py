@@ -10,7 +10,7 @@ layers `lax.scan`ned, its pool donated), and the residual stream [T, hidden] goe
 stage by `jax.device_put` onto that stage's devices -- JAX's own transfer, no hand-written
 transport. Dispatch is asynchronous, so the host has issued every stage before the first has
 finished; the sampler then runs on the last stage's devices with its params. The layer split is
-worker/sizing.py's `stage_layer_ranges` (uneven counts: the extra layers in the middle stages),
+parallel/stages.py's `stage_layer_ranges` (uneven counts: the extra layers in the middle stages),
 the same one `jaxserve plan` sizes. Within tensor parallelism each stage is split as usual
 (parallel/specs.py); the scheduler does not know about stages.
 
@@ -39,7 +39,7 @@ from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.sharding import ModelShardings, make_sharded_kv_cache
-from jaxserve.worker.sizing import stage_layer_ranges
+from jaxserve.parallel.stages import stage_layer_ranges
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "backend", "first", "last"), donate_argnums=1)

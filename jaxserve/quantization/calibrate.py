@@ -11,31 +11,18 @@ windows, the paged attention) is what is measured.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models import llama
+from jaxserve.models.attention import AttentionMetadata, make_kv_cache
 from jaxserve.models.config import ModelConfig
+from jaxserve.quantization.observed import Observed, observe  # noqa: F401  (the leaf type, below the model)
 
 # which weight's input stands for each statistic (wq, wk, wv share theirs; so do w_gate and w_up)
 OBSERVED_LEAVES = {"wq": "qkv", "wo": "o", "w_gate": "gate_up", "w_down": "down"}
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Observed:
-    weight: jax.Array  # [..., K, N] float
-    name: str = field(metadata=dict(static=True))
-    sink: Callable[[str, np.ndarray], None] = field(metadata=dict(static=True))
-
-
-def observe(x: jax.Array, w: Observed) -> None:
-    """Send max |x| over the tokens ([K] float32) to the weight's sink."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)).reshape(-1, x.shape[-1]), axis=0)
-    jax.debug.callback(lambda a: w.sink(w.name, np.asarray(a)), amax, ordered=True)
 
 
 class _Collector:
@@ -52,9 +39,6 @@ def activation_absmax(params: dict, cfg: ModelConfig, token_ids: np.ndarray) -> 
     Returns {"qkv": [L, hidden], "o": [L, nq*hd], "gate_up": [L, hidden], "down": [L, inter],
     "head": [hidden]}.
     """
-    from jaxserve.models import llama
-    from jaxserve.models.attention import AttentionMetadata, make_kv_cache
-
     sink = _Collector()
     layers = {k: Observed(v, OBSERVED_LEAVES[k], sink) if k in OBSERVED_LEAVES else v
               for k, v in params["layers"].items()}

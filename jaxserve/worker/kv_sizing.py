@@ -1,6 +1,7 @@
 """How many KV blocks the pool gets: an explicit count, a byte budget on CPU, or a
 fraction of device memory minus the weights and the measured activation peak (the arithmetic is
-worker/sizing.py's, shared with `jaxserve plan`)."""
+worker/sizing.py's, shared with `jaxserve plan`). The engine passes the flags it resolved as plain
+values: this layer does not know the engine's arguments."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxserve.engine.args import EngineArgs
 from jaxserve import parallel
 from jaxserve.worker import sizing
 from jaxserve.worker.sizing import kv_budget
@@ -21,40 +21,43 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
-def needs_profile(args: EngineArgs) -> bool:
+def needs_profile(num_gpu_blocks_override: int | None) -> bool:
     """Only sizing by --gpu-memory-utilization on an accelerator needs the activation dry run."""
-    return args.num_gpu_blocks_override is None and jax.default_backend() != "cpu" \
+    return num_gpu_blocks_override is None and jax.default_backend() != "cpu" \
         and device_memory_bytes() is not None
 
 
-def refuse_oversized_weights(args: EngineArgs, cfg, width: int) -> None:
+def refuse_oversized_weights(cfg, width: int, *, tensor_parallel_size: int, pipeline_parallel_size: int,
+                             quantization: str | None, max_model_len: int | None,
+                             max_num_batched_tokens: int | None, enable_chunked_prefill: bool, max_num_seqs: int,
+                             gpu_memory_utilization: float) -> None:
     """Before loading anything: on an accelerator, ValueError (sizing.kv_budget's, with the numbers)
     when the weights this configuration puts on one device plus the estimated activation reserve
     exceed --gpu-memory-utilization of it -- instead of an out-of-memory error halfway through the load."""
     total = device_memory_bytes() if jax.default_backend() != "cpu" else None
     if total is None:
         return
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    weights = sizing.weight_bytes_per_device(cfg, width, tp, pp, args.quantization)
-    max_len = args.max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, False)
-    tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len, args.enable_chunked_prefill)
-    kv_budget(total, args.gpu_memory_utilization, weights,
-              sizing.activation_bytes_estimate(cfg, tokens, args.max_num_seqs, width, tp))
+    tp = tensor_parallel_size
+    weights = sizing.weight_bytes_per_device(cfg, width, tp, pipeline_parallel_size, quantization)
+    max_len = max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, False)
+    tokens = max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len, enable_chunked_prefill)
+    kv_budget(total, gpu_memory_utilization, weights, sizing.activation_bytes_estimate(cfg, tokens, max_num_seqs, width, tp))
 
 
-def num_device_blocks(args: EngineArgs, bytes_per_block: int, weight_bytes: int, activation_bytes: int,
-                      min_blocks: int) -> int:
+def num_device_blocks(bytes_per_block: int, weight_bytes: int, activation_bytes: int, min_blocks: int, *,
+                      num_gpu_blocks_override: int | None, gpu_memory_utilization: float,
+                      kv_cache_memory: int | None) -> int:
     """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error.
     activation_bytes: the largest bucket's temporary memory, from a compiled dry run."""
     total = device_memory_bytes() if jax.default_backend() != "cpu" else None
     if total is not None:  # refuse weights + activations over the allowed share, whatever sets the pool
-        budget = kv_budget(total, args.gpu_memory_utilization, weight_bytes, activation_bytes)
-    if args.num_gpu_blocks_override is not None:
-        blocks = args.num_gpu_blocks_override
+        budget = kv_budget(total, gpu_memory_utilization, weight_bytes, activation_bytes)
+    if num_gpu_blocks_override is not None:
+        blocks = num_gpu_blocks_override
         source = "--num-gpu-blocks-override"
     else:
         if total is None:
-            budget = args.kv_cache_memory or DEFAULT_CPU_KV_BYTES
+            budget = kv_cache_memory or DEFAULT_CPU_KV_BYTES
             source = "--kv-cache-memory"
         else:
             source = "--gpu-memory-utilization"

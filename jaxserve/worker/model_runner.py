@@ -10,7 +10,7 @@ decode-only bucket), the LM head plus sampler once per (seq bucket S, sampler va
 A step is `execute = run(prepare(...))`:
     prepare(sched_out) -> PreparedStep      host only: numpy batch, block ops, sampler inputs
     run(prepared) -> ModelOutput            device only: the same programs in the same order
-so a multi-host run (worker/multihost.py) builds the PreparedStep on rank 0, sends it to
+so a multi-host run (engine/multihost.py) builds the PreparedStep on rank 0, sends it to
 every other rank, and all ranks call `run` on it (JAX's multi-controller model). The
 scheduler's output is all `prepare` reads: it never sees a live Request. The jitted
 programs themselves are in worker/programs.py.

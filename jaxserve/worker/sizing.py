@@ -26,6 +26,7 @@ from jaxserve.constants import CPU_MAX_MODEL_LEN
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
+from jaxserve.parallel.stages import stage_layer_ranges  # noqa: F401  (also read as sizing.stage_layer_ranges)
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 CHUNKED_PREFILL_TOKENS = 512  # a step's token budget with chunked prefill, unless the flag says otherwise
@@ -63,21 +64,6 @@ def dtype_bytes(name: str) -> int:
     if name not in DTYPE_BYTES:
         raise ValueError(f"dtype: must be one of {tuple(DTYPE_BYTES)}, got {name!r}")
     return DTYPE_BYTES[name]
-
-
-def stage_layer_ranges(num_layers: int, pipeline_parallel_size: int) -> list[tuple[int, int]]:
-    """[start, end) layers of each pipeline stage: contiguous, sizes differing by at most one. The
-    extra layers of an uneven split go to the middle stages first (from the second-to-last back, as
-    vLLM), since the first stage also holds the embedding and the last the LM head. 30 / 4: 7 8 8 7."""
-    pp = pipeline_parallel_size
-    if not 1 <= pp <= num_layers:
-        raise ValueError(f"pipeline_parallel_size: must be in [1, num_layers={num_layers}], got {pp}")
-    sizes = [num_layers // pp] * pp
-    order = list(range(pp - 2, -1, -1)) + [pp - 1] if pp > 1 else [0]
-    for i in order[: num_layers % pp]:
-        sizes[i] += 1
-    starts = [sum(sizes[:i]) for i in range(pp)]
-    return [(s, s + n) for s, n in zip(starts, sizes)]
 
 
 def _shard_elems(shape: tuple[int, ...], spec: tuple, tp: int, kv_groups: int) -> int:

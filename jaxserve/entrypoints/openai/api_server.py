@@ -213,7 +213,7 @@ def serve_app(app: Starlette, server: cli_args.ServerArgs) -> None:
 
 def run_server(config: cli_args.ServeConfig) -> int:
     """Load the engine, serve until SIGINT/SIGTERM, shut the engine down; 0 after a clean stop."""
-    from jaxserve.worker import multihost
+    from jaxserve.engine import multihost
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
     start = time.monotonic()
