@@ -109,7 +109,7 @@ def run_hf(requests: list[ds.SampleRequest], batch_size: int, model_path: str | 
     import torch
     import transformers
 
-    from jaxserve.weights.loader import default_model_path
+    from jaxserve.weights.source import default_model_path
 
     if model_path is None:
         gguf = default_model_path()

