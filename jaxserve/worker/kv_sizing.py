@@ -41,7 +41,8 @@ def refuse_oversized_weights(cfg, width: int, *, tensor_parallel_size: int, pipe
     weights = sizing.weight_bytes_per_device(cfg, width, tp, pipeline_parallel_size, quantization)
     max_len = max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, False)
     tokens = max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len, enable_chunked_prefill)
-    kv_budget(total, gpu_memory_utilization, weights, sizing.activation_bytes_estimate(cfg, tokens, max_num_seqs, width, tp))
+    kv_budget(total, gpu_memory_utilization, weights,
+              sizing.activation_bytes_estimate(cfg, tokens, max_num_seqs, width, tp))
 
 
 def num_device_blocks(bytes_per_block: int, weight_bytes: int, activation_bytes: int, min_blocks: int, *,
