@@ -72,6 +72,13 @@ class DataParallelAsyncLLM:
         if i is not None:
             await self.replicas[i].abort(request_id)
 
+    def abort_all(self) -> None:
+        for r in self.replicas:
+            r.abort_all()
+
+    def num_queued(self) -> int:
+        return sum(r.num_queued() for r in self.replicas)
+
     def get_stats(self) -> EngineStats:
         """Counts and counters summed over replicas; cache usage averaged, weighted by pool size."""
         stats = [r.get_stats() for r in self.replicas]

@@ -126,6 +126,7 @@ class ServingChat(BaseServing):
         self.check_token_ids(list(req.token_logit_bias() or {}), "logit_bias")
         params = req.to_sampling_params(max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=req.structured_params(forced_tool_schema(req)))
+        self.check_overload()
         request_id = random_id("chatcmpl")
         streams = [self.stream(prompt_ids, params, request_id)]
         merged = merge_streams(await prime(streams), streams)

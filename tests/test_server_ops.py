@@ -1,0 +1,177 @@
+"""What an operator relies on, on the fake engine (tests/fake_engine.py) over real HTTP: load shedding
+(--max-num-queued-reqs), draining on SIGTERM (--shutdown-timeout), authentication that no path trick
+bypasses, and error bodies that leak nothing. The real engine's faults: tests/test_server_faults.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxserve.entrypoints.openai.api_server import build_app
+from tests.fake_engine import FakeAsyncLLM, serve_in_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _error(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_max_num_queued_reqs_sheds_load_at_once() -> None:
+    """Two requests wait (the fake engine's first step takes 1 s); a third gets a 503 at once, then
+    the two finish normally and the server takes requests again."""
+    engine = FakeAsyncLLM(step_delay=1.0)
+    with serve_in_thread(build_app(engine, max_num_queued_reqs=2)) as base, httpx.Client(base_url=base) as http:
+        results: list[httpx.Response] = []
+        body = {"prompt": "w1", "max_tokens": 1}
+        threads = [threading.Thread(target=lambda: results.append(http.post("/v1/completions", json=body,
+                                                                          timeout=30))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while engine.num_queued() < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        start = time.monotonic()
+        shed = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "w1"}]})
+        assert time.monotonic() - start < 0.5
+        assert shed.status_code == 503 and _error(shed)["code"] == "server_overloaded"
+        assert http.post("/v1/completions", json={**body, "stream": True}).status_code == 503
+        for t in threads:
+            t.join(30)
+        assert [r.status_code for r in results] == [200, 200]
+        assert http.post("/v1/completions", json=body, timeout=30).json()["choices"][0]["text"] == "w2"
+
+
+# --- shutdown --------------------------------------------------------------------------------------
+
+_SERVE_SCRIPT = """
+import sys
+from jaxserve.entrypoints.cli_args import ServerArgs
+from jaxserve.entrypoints.openai.api_server import build_app, serve_app
+from tests.fake_engine import FakeAsyncLLM
+sys.exit(serve_app(build_app(FakeAsyncLLM(step_delay=0.1)),
+                   ServerArgs(host="127.0.0.1", port=int(sys.argv[1]), shutdown_timeout=float(sys.argv[2]),
+                              uvicorn_log_level="warning")))
+"""
+
+
+def _start_fake_server(shutdown_timeout: float) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE_SCRIPT, str(port), str(shutdown_timeout)], cwd=ROOT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                return proc, base
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline and proc.poll() is None, "server did not start"
+        time.sleep(0.1)
+
+
+def _finish_reasons(lines: list[str]) -> list[str]:
+    chunks = [json.loads(x[len("data: "):]) for x in lines if x.startswith("data: {")]
+    return [c["finish_reason"] for chunk in chunks for c in chunk.get("choices", []) if c["finish_reason"]]
+
+
+@pytest.mark.parametrize("shutdown_timeout", [0.0, 1.5])
+def test_sigterm_drains_then_aborts_and_exits_0(shutdown_timeout: float) -> None:
+    """SIGTERM during a long stream (60 tokens at 10 a second): new requests and /health get 503
+    while it drains; after `shutdown_timeout` the stream ends with finish_reason "abort" and the
+    process exits 0, in seconds, not the stream's 6 s."""
+    proc, base = _start_fake_server(shutdown_timeout)
+    try:
+        body = {"prompt": "w1", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=base, timeout=10) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)
+            start = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            if shutdown_timeout:
+                time.sleep(0.3)
+                refused = httpx.post(f"{base}/v1/completions", json={"prompt": "w1", "max_tokens": 1})
+                assert refused.status_code == 503 and _error(refused)["code"] == "shutting_down"
+                assert httpx.get(f"{base}/health").status_code == 503
+            rest = list(lines)
+        ended = time.monotonic() - start
+        assert [x for x in rest if x][-1] == "data: [DONE]"
+        assert _finish_reasons(rest) == ["abort"]
+        assert shutdown_timeout <= ended < shutdown_timeout + 2.0, ended
+        assert proc.wait(timeout=8) == 0
+        assert time.monotonic() - start < shutdown_timeout + 6.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+# --- authentication and what errors show ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("protect_metrics", [False, True])
+def test_api_key_on_every_route_but_health(protect_metrics: bool) -> None:
+    app = build_app(FakeAsyncLLM(), api_key="sekret", protect_metrics=protect_metrics)
+    with serve_in_thread(app) as base, httpx.Client(base_url=base) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/metrics").status_code == (401 if protect_metrics else 200)
+        key = {"Authorization": "Bearer sekret"}
+        assert http.get("/metrics", headers=key).status_code == 200
+        for method, path in [("GET", "/v1/models"), ("GET", "//v1/models"), ("GET", "/v1/../v1/models"),
+                             ("GET", "/v1/%6dodels"), ("GET", "/v1/models/"), ("GET", "/V1/models"),
+                             ("GET", "/version"), ("GET", "/openapi.json"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize"), ("POST", "/v1/completions"), ("GET", "/health/"),
+                             ("GET", "//health"), ("GET", "/nothing")]:
+            for headers in ({}, {"Host": "localhost"}, {"Authorization": "Bearer sekre"},
+                            {"Authorization": "bearer sekret"}, {"Authorization": "Bearer  sekret"}, {"Authorization": "sekret"}):
+                r = http.request(method, path, headers=headers, json={"prompt": "w1"})
+                assert r.status_code == 401, (method, path, headers, r.status_code)
+                assert _error(r)["code"] == "invalid_api_key"
+        ok = http.post("/v1/completions", headers=key, json={"prompt": "w1", "max_tokens": 1})
+        assert ok.json()["choices"][0]["text"] == "w2"
+
+
+def test_internal_errors_carry_no_paths_or_tracebacks() -> None:
+    class Broken(FakeAsyncLLM):
+        async def generate(self, *args, **kwargs):
+            raise OSError(2, "No such file", "/secret/path/model.bin")
+            yield  # an async generator
+
+    with serve_in_thread(build_app(Broken())) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "w1", "max_tokens": 1})
+        assert r.status_code == 500
+        error = _error(r)
+        assert error["type"] == "server_error"
+        assert "/secret" not in r.text and "Traceback" not in r.text and "File " not in r.text
+        assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_nan_and_infinity_in_float_fields_are_a_400() -> None:
+    """NaN/Infinity (JSON's non-standard literals) in every float field: a 400 naming it."""
+    floats = ["temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty",
+              "length_penalty"]
+    with serve_in_thread(build_app(FakeAsyncLLM())) as base, httpx.Client(base_url=base) as http:
+        for name in floats:
+            for literal in ("NaN", "Infinity", "-Infinity"):
+                content = '{"prompt": "w1", "max_tokens": 1, "%s": %s}' % (name, literal)
+                r = http.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+                assert r.status_code == 400, (name, literal, r.text)
+                assert _error(r)["param"] == name, (name, r.text)
+        bias = '{"prompt": "w1", "max_tokens": 1, "logit_bias": {"5": NaN}}'
+        r = http.post("/v1/completions", content=bias, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and _error(r)["param"].startswith("logit_bias")
