@@ -54,6 +54,38 @@ def test_max_num_queued_reqs_sheds_load_at_once() -> None:
         assert http.post("/v1/completions", json=body, timeout=30).json()["choices"][0]["text"] == "w2"
 
 
+def test_request_limits_are_400s_before_any_work() -> None:
+    engine = FakeAsyncLLM()
+    app = build_app(engine, max_n_sequences=8, max_header_bytes=4096)
+    chat = {"messages": [{"role": "user", "content": "w1"}], "max_tokens": 1}
+    cases = [("/v1/completions", {"prompt": "w1", "n": 9}, "n"),
+             ("/v1/completions", {"prompt": "w1", "n": 2, "best_of": 9}, "best_of"),
+             ("/v1/chat/completions", {**chat, "n": 9}, "n"),
+             ("/v1/completions", {"prompt": "w1", "max_tokens": -1}, "max_tokens"),
+             ("/v1/chat/completions", {**chat, "max_tokens": -1}, "max_completion_tokens"),
+             ("/v1/completions", {"prompt": "w1", "logprobs": 21}, "logprobs"),
+             ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+             ("/v1/completions", {"prompt": ""}, "prompt"),
+             ("/v1/completions", {"prompt": [[]]}, "prompt"),
+             ("/v1/completions", {"prompt": [128]}, "prompt"),
+             ("/v1/completions", {"prompt": [-1]}, "prompt"),
+             ("/v1/completions", {"prompt": "w1 " * 64}, "prompt"),
+             ("/v1/completions", {"prompt": "w1", "max_tokens": 64}, "max_tokens"),
+             ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+              "chat_template_kwargs"),
+             ("/v1/chat/completions", {**chat, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs")]
+    with serve_in_thread(app) as base, httpx.Client(base_url=base) as http:
+        for path, body, param in cases:
+            r = http.post(path, json=body)
+            assert r.status_code == 400 and _error(r)["param"] == param, (body, r.text)
+            assert "transformers" not in r.text
+        big = http.get("/v1/models", headers={f"x-h{i}": "a" * 100 for i in range(50)})
+        assert big.status_code == 431 and _error(big)["code"] == "request_header_fields_too_large"
+        ok = http.post("/v1/chat/completions", json={**chat, "n": 8, "chat_template_kwargs": {"x": 1}})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 8
+    assert not engine.running and len(engine.finished) == 1  # nothing but the good request reached it
+
+
 # --- shutdown --------------------------------------------------------------------------------------
 
 _SERVE_SCRIPT = """
@@ -61,7 +93,17 @@ import sys
 from jaxserve.entrypoints.cli_args import ServerArgs
 from jaxserve.entrypoints.openai.api_server import build_app, serve_app
 from tests.fake_engine import FakeAsyncLLM
-sys.exit(serve_app(build_app(FakeAsyncLLM(step_delay=0.1)),
+
+class Dying(FakeAsyncLLM):  # a request for "w101" crashes the fake engine for good
+    errored = False
+
+    async def generate(self, prompt, *args, **kwargs):
+        if self.crash_id in prompt:
+            self.errored = True
+        async for out in super().generate(prompt, *args, **kwargs):
+            yield out
+
+sys.exit(serve_app(build_app(Dying(step_delay=0.1)),
                    ServerArgs(host="127.0.0.1", port=int(sys.argv[1]), shutdown_timeout=float(sys.argv[2]),
                               uvicorn_log_level="warning")))
 """
@@ -115,6 +157,20 @@ def test_sigterm_drains_then_aborts_and_exits_0(shutdown_timeout: float) -> None
         assert shutdown_timeout <= ended < shutdown_timeout + 2.0, ended
         assert proc.wait(timeout=8) == 0
         assert time.monotonic() - start < shutdown_timeout + 6.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_a_dead_engine_exits_the_server_non_zero() -> None:
+    proc, base = _start_fake_server(30.0)
+    try:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "w101", "max_tokens": 4})
+        assert r.status_code == 500
+        start = time.monotonic()
+        assert proc.wait(timeout=10) == 1
+        assert time.monotonic() - start < 8
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -31,6 +31,8 @@ class ServerArgs:
     api_key: str | None = None  # every route but /health and /metrics then requires `Authorization: Bearer KEY`
     api_key_protects_metrics: bool = False  # /metrics too needs the key
     max_request_body_bytes: int = 16 * 1024 * 1024
+    max_request_header_bytes: int = 64 * 1024  # larger request headers get a 431
+    max_n_sequences: int = 16384  # n / best_of above it: a 400 (vLLM's VLLM_MAX_N_SEQUENCES default)
     shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM/SIGINT, then abort (vLLM's)
     max_num_queued_reqs: int | None = None  # past this many waiting requests a new one is a 503 (None: no cap)
     uvicorn_log_level: str = "info"
@@ -42,8 +44,9 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError("max_request_body_bytes must be >= 1")
+        for name in ("max_request_body_bytes", "max_request_header_bytes", "max_n_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.shutdown_timeout >= 0:  # (NaN too)
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
@@ -96,6 +99,8 @@ _HELP = {
     "api_key": "require `Authorization: Bearer KEY` on every route but /health and /metrics",
     "api_key_protects_metrics": "with --api-key, /metrics needs the key too",
     "max_request_body_bytes": "larger request bodies get a 413",
+    "max_request_header_bytes": "larger request headers (all of them together) get a 431",
+    "max_n_sequences": "most parallel samples (n, best_of) one request may ask for; more is a 400",
     "shutdown_timeout": ("seconds in-flight requests may take to finish after SIGTERM/SIGINT (new ones get 503); "
                          "then what is left is aborted (finish_reason abort) and the server exits 0"),
     "max_num_queued_reqs": "requests waiting to start beyond which a new one gets a 503 at once (None: no cap)",

@@ -12,6 +12,7 @@ import argparse
 import hmac
 import logging
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -111,7 +112,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, trust_request_chat_template: bool = False,
               tool_parser: str | None = None, reasoning_parser: str | None = None,
               state: lifecycle.ServerState | None = None, max_num_queued_reqs: int | None = None,
-              protect_metrics: bool = False) -> Starlette:
+              protect_metrics: bool = False, max_n_sequences: int = 16384,
+              max_header_bytes: int = lifecycle.DEFAULT_MAX_HEADER_BYTES) -> Starlette:
     """The ASGI app serving `engine`; each app has its own metrics registry. `tool_parser`: parse
     `tool_choice: auto` calls from the model's text (--enable-auto-tool-choice --tool-call-parser)."""
     metrics = ServerMetrics(engine)
@@ -119,7 +121,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     chat = ServingChat(engine, metrics, load_chat_template(chat_template),
                        trust_request_chat_template=trust_request_chat_template, tool_parser=tool_parser,
                        reasoning_parser=reasoning_parser)
-    completions.max_num_queued_reqs = chat.max_num_queued_reqs = max_num_queued_reqs
+    for serving in (completions, chat):
+        serving.max_num_queued_reqs, serving.max_n_sequences = max_num_queued_reqs, max_n_sequences
     openapi = build_openapi(jaxserve.__version__)
 
     async def create_completion(request: Request) -> Response:
@@ -187,7 +190,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
-    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state)  # outermost
+    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state,
+                       max_header_bytes=max_header_bytes)  # outermost
     app.state.engine = engine
     app.state.lifecycle = state
     app.state.metrics = metrics
@@ -214,33 +218,57 @@ def serve_app(app: Starlette, server: cli_args.ServerArgs) -> int:
                            log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
 
 
+def app_for(engine: EngineClient, config: cli_args.ServeConfig, state: lifecycle.ServerState) -> Starlette:
+    """The app with every server flag applied."""
+    server = config.server
+    return build_app(engine, api_key=server.api_key, chat_template=config.engine.chat_template,
+                     max_body_bytes=server.max_request_body_bytes,
+                     trust_request_chat_template=server.trust_request_chat_template,
+                     tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+                     reasoning_parser=server.reasoning_parser, state=state,
+                     max_num_queued_reqs=server.max_num_queued_reqs, protect_metrics=server.api_key_protects_metrics,
+                     max_n_sequences=server.max_n_sequences, max_header_bytes=server.max_request_header_bytes)
+
+
 def run_server(config: cli_args.ServeConfig) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut the engine down; 0 after a clean stop."""
+    """Bind at once (503 everywhere, /health included, while the engine loads and warms up), serve
+    until SIGINT/SIGTERM (0) or the engine's death (1), shut the engine down."""
     from jaxserve.worker import multihost
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
-    start = time.monotonic()
-    if multihost.is_enabled(config.engine):  # --num-hosts: rank 0 serves and schedules, the others follow
+    background = not multihost.is_enabled(config.engine)  # multi-host start-up stays on the main thread
+    if not background:  # --num-hosts: rank 0 serves and schedules, the others follow
         multihost.initialize(config.engine)
         if not multihost.is_leader():
             return multihost.run_worker(config.engine)
-        engine = AsyncLLM(multihost.leader_engine(config.engine))
+    state = lifecycle.ServerState(ready=False)
+    gate = lifecycle.StartupGate(state)
+
+    def load() -> None:
+        start = time.monotonic()
+        try:
+            engine = (AsyncLLM.from_engine_args(config.engine) if background
+                      else AsyncLLM(multihost.leader_engine(config.engine)))
+            log_startup(engine, config.engine, time.monotonic() - start)
+            gate.open(app_for(engine, config, state), engine)
+        except Exception:  # noqa: BLE001  (reported, and the server exits 1)
+            logger.exception("the engine failed to start")
+            gate.failed = True
+
+    if background:
+        threading.Thread(target=load, name="jaxserve-load", daemon=True).start()
     else:
-        engine = AsyncLLM.from_engine_args(config.engine)
-    log_startup(engine, config.engine, time.monotonic() - start)
+        load()
+    server = config.server
     try:
-        server = config.server
-        app = build_app(engine, api_key=server.api_key, chat_template=config.engine.chat_template,
-                        max_body_bytes=server.max_request_body_bytes,
-                        trust_request_chat_template=server.trust_request_chat_template,
-                        tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
-                        reasoning_parser=server.reasoning_parser, max_num_queued_reqs=server.max_num_queued_reqs,
-                        protect_metrics=server.api_key_protects_metrics)
-        code = serve_app(app, config.server)
+        code = lifecycle.serve(gate, gate, state, host=server.host, port=server.port,
+                               log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
     finally:
-        engine.shutdown()
-        if isinstance(engine, AsyncLLM):
-            multihost.stop_workers(engine.engine)
+        engine = gate.engine
+        if engine is not None:
+            engine.shutdown()
+            if isinstance(engine, AsyncLLM):
+                multihost.stop_workers(engine.engine)
     return code
 
 

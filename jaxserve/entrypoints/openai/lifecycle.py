@@ -1,7 +1,8 @@
 """The server's life: readiness, draining on SIGTERM/SIGINT, and exiting when the engine dies.
 
-    LifecycleMiddleware   every route but /health and /metrics: 503 while shutting down or after
-                          the engine died; counts the requests in flight
+    LifecycleMiddleware   headers past a size limit: 431; every route but /health and /metrics: 503
+                          while starting, shutting down or after the engine died; counts the
+                          requests in flight
     LifecycleServer       uvicorn with vLLM's shutdown: the first SIGTERM/SIGINT stops accepting,
                           in-flight requests get `shutdown_timeout` seconds, then whatever is left is
                           aborted (finish_reason "abort") and the process exits 0; a dead engine
@@ -28,6 +29,7 @@ logger = logging.getLogger("jaxserve.api_server")
 OPEN_PATHS = ("/health", "/metrics")  # answer while draining or dead: they report it
 ABORT_GRACE_S = 5.0  # after aborting (or the engine's death), responses get this long to be sent
 SOCKET_GRACE_S = 3.0  # uvicorn's own wait for connections once the server stops
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024
 
 
 @dataclass
@@ -56,10 +58,16 @@ def unavailable(engine: EngineClient, state: ServerState) -> OpenAIError | None:
 
 
 class LifecycleMiddleware:
-    def __init__(self, app: ASGIApp, engine: EngineClient, state: ServerState) -> None:
-        self.app, self.engine, self.state = app, engine, state
+    def __init__(self, app: ASGIApp, engine: EngineClient, state: ServerState,
+                 max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+        self.app, self.engine, self.state, self.max_header_bytes = app, engine, state, max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) for k, v in scope["headers"]) > self.max_header_bytes:
+            error = OpenAIError(f"Request headers exceed {self.max_header_bytes} bytes", status=431,
+                                code="request_header_fields_too_large")
+            await error.response()(scope, receive, send)
+            return
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
@@ -72,6 +80,37 @@ class LifecycleMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.state.num_in_flight -= 1
+
+
+class StartupGate:
+    """The ASGI app `jaxserve serve` binds before the engine has loaded: 503 everywhere (/health
+    included) until `open(app, engine)`, then the real app. As an engine it reports `errored`
+    when start-up failed, so the server exits 1."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.app: ASGIApp | None = None
+        self.engine: EngineClient | None = None
+        self.failed = False
+
+    def open(self, app: ASGIApp, engine: EngineClient) -> None:
+        self.app, self.engine = app, engine
+        self.state.ready = True
+
+    @property
+    def errored(self) -> bool:
+        return self.failed or (self.engine is not None and engine_dead(self.engine))
+
+    def abort_all(self) -> None:
+        abort_all = getattr(self.engine, "abort_all", None)
+        if callable(abort_all):
+            abort_all()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+        elif scope["type"] == "http":
+            await unavailable(self, self.state).response()(scope, receive, send)  # type: ignore[union-attr, arg-type]
 
 
 class LifecycleServer(uvicorn.Server):
@@ -120,7 +159,8 @@ class LifecycleServer(uvicorn.Server):
 def serve(app: ASGIApp, engine: EngineClient, state: ServerState, *, host: str, port: int, log_level: str,
           shutdown_timeout: float) -> int:
     """Serve until a shutdown signal (0) or the engine's death (1)."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SOCKET_GRACE_S)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=SOCKET_GRACE_S,
+                            lifespan="off")
     server = LifecycleServer(config, engine, state, shutdown_timeout)
     server.run()
     return server.exit_code

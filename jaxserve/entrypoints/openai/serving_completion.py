@@ -23,6 +23,7 @@ from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disc
 class ServingCompletion(BaseServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        self.check_num_sequences(req.n, req.best_of)
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if req.stream and req.best_of is not None and req.best_of != req.n:

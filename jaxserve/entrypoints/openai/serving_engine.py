@@ -58,6 +58,7 @@ async def sse_stream(events: AsyncIterator[str], merged: AsyncGenerator) -> Asyn
 
 class BaseServing:
     max_num_queued_reqs: int | None = None  # --max-num-queued-reqs (set by build_app)
+    max_n_sequences: int = 16384  # --max-n-sequences (vLLM's VLLM_MAX_N_SEQUENCES default)
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics | None) -> None:
         self.engine = engine
@@ -71,6 +72,13 @@ class BaseServing:
         if model is not None and model != self.engine.model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
                               code="model_not_found")
+
+    def check_num_sequences(self, n: int, best_of: int | None) -> None:
+        """A 400 when a request asks for more parallel samples than --max-n-sequences."""
+        for param, value in (("n", n), ("best_of", best_of)):
+            if value is not None and value > self.max_n_sequences:
+                raise OpenAIError(f"{param} must be <= {self.max_n_sequences} (--max-n-sequences), got {value}",
+                                  param=param, code="invalid_value")
 
     def check_overload(self) -> None:
         """A 503 at once when --max-num-queued-reqs requests already wait to start (after the
