@@ -231,3 +231,80 @@ def test_nan_and_infinity_in_float_fields_are_a_400() -> None:
         bias = '{"prompt": "w1", "max_tokens": 1, "logit_bias": {"5": NaN}}'
         r = http.post("/v1/completions", content=bias, headers={"content-type": "application/json"})
         assert r.status_code == 400 and _error(r)["param"].startswith("logit_bias")
+
+
+# --- fuzzing from /openapi.json --------------------------------------------------------------------
+
+_ROUTES = [("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest"),
+           ("/tokenize", "TokenizeRequest"), ("/detokenize", "DetokenizeRequest")]
+
+
+def _values(schema: dict, defs: dict, depth: int = 0):
+    """A hypothesis strategy of JSON values of `schema`'s types (not every constraint: out-of-range
+    numbers and strings are the point), following $ref, anyOf and object properties."""
+    from hypothesis import strategies as st
+
+    if "$ref" in schema:
+        return _values(defs[schema["$ref"].rsplit("/", 1)[1]], defs, depth)
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if options:
+        return st.one_of([_values(o, defs, depth) for o in options])
+    if "enum" in schema or "const" in schema:
+        return st.sampled_from(schema.get("enum") or [schema.get("const")])
+    kind = schema.get("type")
+    if depth > 3 or kind == "null":
+        return st.none()
+    if kind == "object" and "properties" in schema:
+        props = {k: _values(v, defs, depth + 1) for k, v in schema["properties"].items()}
+        required = {k: props.pop(k) for k in schema.get("required", []) if k in props}
+        return st.fixed_dictionaries(required, optional=props)
+    simple = {"string": st.text(max_size=12) | st.sampled_from(["w1", "w10 w11", "hello world", ""]),
+              "integer": st.integers(-3, 80) | st.integers(), "boolean": st.booleans(),
+              "number": st.floats(-3, 3, allow_nan=False) | st.floats(allow_nan=False, allow_infinity=False)}
+    if kind in simple:
+        return simple[kind]
+    if kind == "array":
+        return st.lists(_values(schema.get("items", {}), defs, depth + 1), max_size=3)
+    return st.none() | st.integers(-2, 5) | st.text(max_size=5) | st.lists(st.integers(0, 130), max_size=3)
+
+
+def _request_schema(spec: dict, name: str) -> tuple[dict, dict]:
+    defs = spec["components"]["schemas"]
+    return defs[name], defs
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    engine = FakeAsyncLLM(crash_token=None)
+    with serve_in_thread(build_app(engine, max_n_sequences=4)) as base, httpx.Client(base_url=base, timeout=10) as http:
+        spec = http.get("/openapi.json").json()
+        yield http, engine, {path: _request_schema(spec, name) for path, name in _ROUTES}
+
+
+def test_fuzz_schema_bodies_never_5xx_then_a_normal_request_is_right(fuzz_target) -> None:
+    """Bodies drawn from each route's own schema (so they reach the checks past parsing), some with a
+    float turned into NaN/Infinity: never a 5xx, errors OpenAI-shaped; then a normal request."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    http, engine, schemas = fuzz_target
+    literal = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999"])
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(data=st.data())
+    def check(data: st.DataObject) -> None:
+        path = data.draw(st.sampled_from(sorted(schemas)))
+        body = data.draw(_values(*schemas[path]))
+        content = json.dumps(body)
+        if isinstance(body, dict) and body and data.draw(st.booleans()):
+            key = data.draw(st.sampled_from(sorted(body)))
+            content = json.dumps({**body, key: "@@"}).replace('"@@"', data.draw(literal))
+        r = http.post(path, content=content, headers={"content-type": "application/json"})
+        assert r.status_code < 500, (path, content, r.text)
+        if r.status_code >= 400:
+            _error(r)
+
+    check()
+    r = http.post("/v1/completions", json={"prompt": "w10", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "w11 w12 w13"
+    assert not engine.running
