@@ -308,3 +308,22 @@ def test_fuzz_schema_bodies_never_5xx_then_a_normal_request_is_right(fuzz_target
     r = http.post("/v1/completions", json={"prompt": "w10", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "w11 w12 w13"
     assert not engine.running
+
+
+def test_operator_flags_parse_and_validate() -> None:
+    import argparse
+
+    from jaxserve.entrypoints.cli_args import ServerArgs, add_serve_args, resolve
+
+    parser = add_serve_args(argparse.ArgumentParser(), positional_model=True)
+    config = resolve(parser.parse_args(["--shutdown-timeout", "5", "--max-num-queued-reqs", "3",
+                                        "--max-n-sequences", "8", "--api-key-protects-metrics",
+                                        "--max-request-header-bytes", "4096"]))
+    server = config.server
+    assert (server.shutdown_timeout, server.max_num_queued_reqs, server.max_n_sequences) == (5.0, 3, 8)
+    assert server.api_key_protects_metrics and server.max_request_header_bytes == 4096
+    assert ServerArgs().shutdown_timeout == 0 and ServerArgs().max_num_queued_reqs is None
+    for bad in ({"shutdown_timeout": -1.0}, {"shutdown_timeout": float("nan")}, {"max_num_queued_reqs": -1},
+                {"max_n_sequences": 0}, {"max_request_header_bytes": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ServerArgs(**bad)
