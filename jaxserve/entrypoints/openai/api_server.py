@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` for any engine, `run_server(config)` for the CLI.
 
-    request -> LifecycleMiddleware (503 while starting, draining or dead) -> ApiKeyMiddleware -> route -> _endpoint (OpenAIError -> JSON, anything else -> 500)
+    request -> LifecycleMiddleware (431 for huge headers; 503 while starting, draining or dead)
+            -> ApiKeyMiddleware -> route -> _endpoint (OpenAIError -> JSON, anything else -> 500)
             -> read_json (size limit, strict pydantic) -> ServingCompletion / ServingChat -> engine
 
 Drop-in for vLLM: `python -m jaxserve.entrypoints.openai.api_server --model MODEL [flags]`.

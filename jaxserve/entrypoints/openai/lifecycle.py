@@ -136,7 +136,8 @@ class LifecycleServer(uvicorn.Server):
         now = time.monotonic()
         if engine_dead(self.engine):
             if self._dead_since is None:
-                logger.error("the engine is dead: ending open requests, then exiting with status 1")
+                logger.error("the engine is dead (or failed to start): ending open requests, then exiting "
+                             "with status 1")
                 self._dead_since, self.exit_code = now, 1
             return self.state.num_in_flight == 0 or now - self._dead_since > ABORT_GRACE_S
         if not self.state.draining:
