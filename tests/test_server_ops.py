@@ -100,6 +100,7 @@ class Dying(FakeAsyncLLM):  # a request for "w101" crashes the fake engine for g
     async def generate(self, prompt, *args, **kwargs):
         if self.crash_id in prompt:
             self.errored = True
+            raise RuntimeError("the fake engine died")
         async for out in super().generate(prompt, *args, **kwargs):
             yield out
 
@@ -164,11 +165,19 @@ def test_sigterm_drains_then_aborts_and_exits_0(shutdown_timeout: float) -> None
 
 
 def test_a_dead_engine_exits_the_server_non_zero() -> None:
+    """A dead engine: the server exits 1 in seconds; what else still runs (a data-parallel replica's
+    requests) ends with finish_reason "abort" instead of being cut off."""
     proc, base = _start_fake_server(30.0)
     try:
-        r = httpx.post(f"{base}/v1/completions", json={"prompt": "w101", "max_tokens": 4})
-        assert r.status_code == 500
-        start = time.monotonic()
+        body = {"prompt": "w1", "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=base, timeout=10) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            crash = httpx.post(f"{base}/v1/completions", json={"prompt": "w101", "max_tokens": 4})
+            assert crash.status_code == 500
+            start = time.monotonic()
+            rest = list(lines)
+        assert _finish_reasons(rest) == ["abort"] and time.monotonic() - start < 3
         assert proc.wait(timeout=10) == 1
         assert time.monotonic() - start < 8
     finally:

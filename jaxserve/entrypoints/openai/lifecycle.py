@@ -123,6 +123,11 @@ class LifecycleServer(uvicorn.Server):
         self._aborted_at: float | None = None
         self._dead_since: float | None = None
 
+    def _abort_all(self) -> None:
+        abort_all = getattr(self.engine, "abort_all", None)
+        if callable(abort_all):
+            abort_all()
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """(From the signal handler.) Not uvicorn's: no exit yet, and no re-raised SIGTERM (status 0)."""
         if self.state.draining and sig == signal.SIGINT:
@@ -139,6 +144,7 @@ class LifecycleServer(uvicorn.Server):
                 logger.error("the engine is dead (or failed to start): ending open requests, then exiting "
                              "with status 1")
                 self._dead_since, self.exit_code = now, 1
+                self._abort_all()  # what a surviving data-parallel replica still runs ends as "abort"
             return self.state.num_in_flight == 0 or now - self._dead_since > ABORT_GRACE_S
         if not self.state.draining:
             return False
@@ -150,9 +156,7 @@ class LifecycleServer(uvicorn.Server):
             return True
         if self._aborted_at is None and now - self._drain_started >= self.shutdown_timeout:
             logger.info("shutdown timeout: aborting %d requests", self.state.num_in_flight)
-            abort_all = getattr(self.engine, "abort_all", None)
-            if callable(abort_all):
-                abort_all()
+            self._abort_all()
             self._aborted_at = now
         return self._aborted_at is not None and now - self._aborted_at > ABORT_GRACE_S
 
