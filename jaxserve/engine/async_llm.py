@@ -178,6 +178,7 @@ class AsyncLLM:
                     self._deliver(rid, e)
                 except Exception as e:  # noqa: BLE001  (this request's own input failed: it alone ends)
                     log.exception("request %s failed when added", rid)
+                    self.engine.abort_request(rid)  # whatever part of it was registered
                     self._deliver(rid, RequestFailedError(rid, f"request failed: {type(e).__name__}"))
             else:
                 ids = [msg[1]] if msg[0] == "abort" else list(self.engine.outputs.groups)
