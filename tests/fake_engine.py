@@ -78,6 +78,8 @@ class FakeAsyncLLM:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.is_shut_down = False
+        self.queued: set[str] = set()  # requests without an output yet
+        self._abort_all = False  # set by abort_all(): every running request ends with "abort"
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str,
                        *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
@@ -91,12 +93,23 @@ class FakeAsyncLLM:
         sequences = [_Sequence() for _ in range(params.best_of or params.n)]
         self.running[request_id] = len(prompt_ids)
         self.num_prompt_tokens += len(prompt_ids)
+        self.queued.add(request_id)
         done = False
         try:
             await asyncio.sleep(self.step_delay)
+            self.queued.discard(request_id)
             metrics.first_scheduled_time = time.monotonic()
             step = 0
             while not all(s.finish_reason for s in sequences):
+                if self._abort_all:
+                    for seq in sequences:
+                        seq.finish_reason = seq.finish_reason or "abort"
+                    self.running.pop(request_id, None)
+                    self.aborted.append(request_id)
+                    done = True
+                    yield self._output(request_id, prompt, prompt_ids, sequences, params, metrics, True,
+                                       prompt_logprobs)
+                    return
                 if step == 1 and self.crash_id is not None and self.crash_id in prompt_ids:
                     raise RuntimeError("the fake engine crashed")
                 for k, seq in enumerate(sequences):
@@ -120,6 +133,7 @@ class FakeAsyncLLM:
                 if not finished:
                     await asyncio.sleep(self.step_delay)
         finally:
+            self.queued.discard(request_id)
             if not done:
                 await self.abort(request_id)
 
@@ -161,6 +175,12 @@ class FakeAsyncLLM:
     async def abort(self, request_id: str) -> None:
         if self.running.pop(request_id, None) is not None:
             self.aborted.append(request_id)
+
+    def abort_all(self) -> None:
+        self._abort_all = True
+
+    def num_queued(self) -> int:
+        return len(self.queued)
 
     def get_stats(self) -> EngineStats:
         capacity = self.num_gpu_blocks * self.block_size

@@ -388,7 +388,7 @@ from jaxserve.entrypoints.cli_args import ServerArgs
 from jaxserve.entrypoints.openai.api_server import build_app, serve_app
 from tests.fake_engine import FakeAsyncLLM
 serve_app(build_app(FakeAsyncLLM(step_delay=0.02)),
-          ServerArgs(host="127.0.0.1", port=int(sys.argv[1]), timeout_graceful_shutdown=10,
+          ServerArgs(host="127.0.0.1", port=int(sys.argv[1]), shutdown_timeout=10,
                      uvicorn_log_level="warning"))
 """
 

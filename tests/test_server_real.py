@@ -300,7 +300,8 @@ def test_jaxserve_serve_cli_starts_answers_and_exits_0_on_sigterm(tmp_path: Path
     log_path = tmp_path / "serve.log"
     exe = Path(sys.executable).with_name("jaxserve")
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS],
+        proc = subprocess.Popen([str(exe), "serve", "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS,
+                                 "--shutdown-timeout", "60"],
                                 stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
     try:

@@ -43,7 +43,16 @@ from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParam
 from jaxserve.core.scheduler_output import RequestUpdate, ScheduledRequest
 
 logger = logging.getLogger("jaxserve.structured_output")
-GRAMMAR_CACHE_SIZE = 256
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used first out
+GRAMMAR_CACHE_CHARS = 32 * 1024 * 1024  # and their specs' characters together: many huge schemas evict sooner
+# llguidance's resource limits, explicit: compiling a grammar, and each token's mask, stop with an
+# error (the request alone is refused or aborted) past these, instead of taking unbounded time or memory.
+GRAMMAR_LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+                      max_lexer_states=250_000, max_grammar_size=500_000, max_items_in_row=2000)
+
+
+def grammar_limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
 def grammar_spec(so: StructuredOutputsParams) -> str:
@@ -85,7 +94,7 @@ def validate_structured_outputs(so: StructuredOutputsParams, field_name: str = "
         spec = grammar_spec(so)
     except ValueError as exc:
         raise ValueError(str(exc).replace("structured_outputs", field_name, 1)) from None
-    error = llguidance.LLMatcher.validate_grammar(spec)
+    error = llguidance.LLMatcher.validate_grammar(spec, limits=grammar_limits())
     if error:
         raise ValueError(f"{field_name}: invalid {so.kind}: {error.strip()}")
 
@@ -115,6 +124,7 @@ class StructuredOutputManager:
         self._lock = threading.Lock()  # the cache (held briefly: the engine thread takes it)
         self._tokenizer_lock = threading.Lock()  # held ~1 s by the first compile, on the pool
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._cache_chars = 0
         self.requests: dict[str, _RequestState] = {}
 
     # ---- compile -------------------------------------------------------------------------------
@@ -129,7 +139,7 @@ class StructuredOutputManager:
             return self._ll_tokenizer
 
     def _compile(self, spec: str) -> llguidance.LLMatcher:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer(), spec, log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer(), spec, log_level=0, limits=grammar_limits())
         if matcher.is_error():
             raise ValueError(f"structured_outputs: {matcher.get_error()}")
         return matcher
@@ -144,8 +154,11 @@ class StructuredOutputManager:
                 return future
             future = self._pool.submit(self._compile, spec)
             self._cache[spec] = future
-            while len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
+            self._cache_chars += len(spec)
+            while len(self._cache) > 1 and (len(self._cache) > GRAMMAR_CACHE_SIZE
+                                            or self._cache_chars > GRAMMAR_CACHE_CHARS):
+                old, _ = self._cache.popitem(last=False)
+                self._cache_chars -= len(old)
         return future
 
     # ---- requests ------------------------------------------------------------------------------

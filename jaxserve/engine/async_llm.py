@@ -7,6 +7,10 @@ get results through per-request asyncio queues filled with
 step never blocks the event loop.
 
     generate() --validate--> inbox ---> [engine thread: drain inbox, step()] ---> queue --> yield
+
+Failures (engine/exceptions.py): a step that raises RequestFailedError ends that request alone;
+any other exception kills the loop: every open request ends with EngineDeadError, `errored` turns
+True and later requests are refused at once (the server then answers 503 and exits non-zero).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import fields
 from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.data_parallel import replica_engines
+from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -38,9 +43,11 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
         self.model_name = engine.model_name
-        self.errored = False
+        self.dead_error: EngineDeadError | None = None
+        self._lock = threading.Lock()  # orders stream registration against the loop's death
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queued: set[str] = set()  # (event loop's thread) requests without an output yet
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = engine.get_stats()
@@ -54,13 +61,17 @@ class AsyncLLM:
             return DataParallelAsyncLLM.from_engine_args(args)
         return cls(LLMEngine(args))
 
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
     def startup_report(self) -> str:
         return self.engine.startup_report()
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
                        *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
-        if self.errored:
-            raise RuntimeError("the engine loop has stopped after an error")
+        if self.dead_error is not None:
+            raise self.dead_error
         if sampling_params.use_beam_search:
             async for out in self._beam_search(prompt, sampling_params, request_id):
                 yield out
@@ -70,12 +81,17 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        with self._lock:  # after the loop's death no stream is registered, so none waits forever
+            if self.dead_error is not None:
+                raise self.dead_error
+            self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._queued.add(request_id)
         self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
         finished = False
         try:
             while not finished:
                 item = await q.get()
+                self._queued.discard(request_id)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -84,6 +100,7 @@ class AsyncLLM:
             if not finished:  # the consumer went away (disconnect, cancel): free the request's blocks
                 self._post(("abort", request_id))
             self._streams.pop(request_id, None)
+            self._queued.discard(request_id)
 
     async def _beam_search(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Rounds of one-token requests per live beam (see beam_search.py); one final output."""
@@ -114,6 +131,17 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """End every request now with finish_reason "abort" (graceful shutdown); thread-safe."""
+        self._post(("abort_all",))
+
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def num_queued(self) -> int:
+        """Requests accepted that have no output yet (waiting to be scheduled, or in their prefill)."""
+        return len(self._queued)
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -149,26 +177,44 @@ class AsyncLLM:
                     self.engine.add_request(rid, prompt, params)
                 except ValueError as e:
                     self._deliver(rid, e)
+                except Exception as e:  # noqa: BLE001  (this request's own input failed: it alone ends)
+                    log.exception("request %s failed when added", rid)
+                    self.engine.abort_request(rid)  # whatever part of it was registered
+                    self._deliver(rid, RequestFailedError(rid, f"request failed: {type(e).__name__}"))
             else:
-                self.engine.abort_request(msg[1])
+                ids = [msg[1]] if msg[0] == "abort" else list(self.engine.outputs.groups)
+                for out in self.engine.abort_request(ids):
+                    self._deliver(out.request_id, out)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except RequestFailedError as e:  # the step knew whose input failed it: end that request alone
+            log.error("request %s failed a step: %s", e.request_id, e)
+            self.engine.abort_request(e.request_id)
+            self._deliver(e.request_id, e)
+            return
+        for out in outputs:
+            self._deliver(out.request_id, out)
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                    self._step()
                     self._stats = self.engine.get_stats()
                 else:
                     self._stats = self.engine.get_stats()
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
-        except Exception as e:  # a bug or a device failure: fail every open request, keep the server up
-            log.exception("engine loop failed")
-            self.errored = True
-            for rid in list(self._streams):
-                self._deliver(rid, RuntimeError(f"engine failed: {e}"))
+        except Exception as e:  # a bug or a device failure: fail every open request, refuse new ones
+            log.exception("engine loop failed; the engine is dead")
+            with self._lock:
+                self.dead_error = EngineDeadError(f"The engine has stopped after an error ({type(e).__name__}); "
+                                                  "the server is shutting down")
+                for rid in list(self._streams):
+                    self._deliver(rid, self.dead_error)
 
 
 # ---- data parallelism: M replicas (engine/data_parallel.py builds their engines) behind one front ----
@@ -211,6 +257,13 @@ class DataParallelAsyncLLM:
         i = self._owner.get(request_id)
         if i is not None:
             await self.replicas[i].abort(request_id)
+
+    def abort_all(self) -> None:
+        for r in self.replicas:
+            r.abort_all()
+
+    def num_queued(self) -> int:
+        return sum(r.num_queued() for r in self.replicas)
 
     def get_stats(self) -> EngineStats:
         """Counts and counters summed over replicas; cache usage averaged, weighted by pool size."""

@@ -18,7 +18,7 @@ import gc
 import os
 import functools
 import time
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +122,9 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self.async_scheduling = self.config.async_scheduling
         self._in_flight: collections.deque[tuple[SchedulerOutput, PendingStep]] = collections.deque()
+        # A test hook: called at the start of every step with the ids of the requests in the engine;
+        # what it raises is a failed step (engine/exceptions.py says how AsyncLLM treats each kind).
+        self.fault_hook: Callable[[list[str]], None] | None = None
 
     def _size_kv(self, config: EngineConfig, mesh: Mesh | None) -> EngineConfig:
         """`config` with its KV pools sized (worker/sizing.py's arithmetic, which `jaxserve plan` shares):
@@ -240,6 +243,8 @@ class LLMEngine:
         """One step; with async scheduling, step N+1 is scheduled and issued before step N's
         results are read, so the device never waits for the host's update and output work.
         With P pipeline stages, up to P steps are in flight, one per stage."""
+        if self.fault_hook is not None:
+            self.fault_hook(list(self.outputs.groups))
         out = self.scheduler.schedule()
         # None when no row is constrained; a constrained request never has a step in flight here
         # (core/in_flight.py), so its matcher has seen every token before its mask is filled.

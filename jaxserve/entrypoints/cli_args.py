@@ -28,9 +28,13 @@ from jaxserve.engine.args import EngineArgs
 class ServerArgs:
     host: str = "0.0.0.0"
     port: int = 8000
-    api_key: str | None = None  # every /v1 route then requires `Authorization: Bearer KEY`
+    api_key: str | None = None  # every route but /health and /metrics then requires `Authorization: Bearer KEY`
+    api_key_protects_metrics: bool = False  # /metrics too needs the key
     max_request_body_bytes: int = 16 * 1024 * 1024
-    timeout_graceful_shutdown: float = 30.0  # seconds in-flight requests get after SIGTERM
+    max_request_header_bytes: int = 64 * 1024  # larger request headers get a 431
+    max_n_sequences: int = 16384  # n / best_of above it: a 400 (vLLM's VLLM_MAX_N_SEQUENCES default)
+    shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM/SIGINT, then abort (vLLM's)
+    max_num_queued_reqs: int | None = None  # past this many waiting requests a new one is a 503 (None: no cap)
     uvicorn_log_level: str = "info"
     trust_request_chat_template: bool = False  # else a request's chat_template is a 400 (vLLM's advisory)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls with tool_call_parser
@@ -40,10 +44,13 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError("max_request_body_bytes must be >= 1")
-        if self.timeout_graceful_shutdown < 0:
-            raise ValueError("timeout_graceful_shutdown must be >= 0")
+        for name in ("max_request_body_bytes", "max_request_header_bytes", "max_n_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.shutdown_timeout >= 0:  # (NaN too)
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
+            raise ValueError(f"max_num_queued_reqs must be >= 0, got {self.max_num_queued_reqs}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("tool_call_parser is required with enable_auto_tool_choice")
 
@@ -89,9 +96,14 @@ _HELP = {
                           "ngram with 4 tokens unless given; '{}': none",
     "host": "address to bind",
     "port": "port to bind",
-    "api_key": "require `Authorization: Bearer KEY` on /v1 routes",
+    "api_key": "require `Authorization: Bearer KEY` on every route but /health and /metrics",
+    "api_key_protects_metrics": "with --api-key, /metrics needs the key too",
     "max_request_body_bytes": "larger request bodies get a 413",
-    "timeout_graceful_shutdown": "seconds in-flight requests may take after SIGTERM",
+    "max_request_header_bytes": "larger request headers (all of them together) get a 431",
+    "max_n_sequences": "most parallel samples (n, best_of) one request may ask for; more is a 400",
+    "shutdown_timeout": ("seconds in-flight requests may take to finish after SIGTERM/SIGINT (new ones get 503); "
+                         "then what is left is aborted (finish_reason abort) and the server exits 0"),
+    "max_num_queued_reqs": "requests waiting to start beyond which a new one gets a 503 at once (None: no cap)",
     "trust_request_chat_template": "render a chat_template sent in a request (off: such a request is a 400)",
     "enable_auto_tool_choice": "tool_choice auto: parse tool calls from the model's text (needs --tool-call-parser)",
     "tool_call_parser": "the model's tool-call format for tool_choice auto",

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: `build_app(engine)` for any engine, `run_server(config)` for the CLI.
 
-    request -> ApiKeyMiddleware (/v1 only) -> route -> _endpoint (OpenAIError -> JSON, anything else -> 500)
+    request -> LifecycleMiddleware (431 for huge headers; 503 while starting, draining or dead)
+            -> ApiKeyMiddleware -> route -> _endpoint (OpenAIError -> JSON, anything else -> 500)
             -> read_json (size limit, strict pydantic) -> ServingCompletion / ServingChat -> engine
 
 Drop-in for vLLM: `python -m jaxserve.entrypoints.openai.api_server --model MODEL [flags]`.
@@ -11,14 +12,12 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
-import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
-from types import FrameType
 from typing import TypeVar
 
-import uvicorn
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
 from starlette.datastructures import Headers
@@ -33,7 +32,10 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.entrypoints import cli_args
 from jaxserve.entrypoints.openai import protocol as p
 from jaxserve.entrypoints.openai.engine_client import EngineClient
-from jaxserve.entrypoints.openai.errors import OpenAIError, from_validation_error, from_value_error
+from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
+from jaxserve.entrypoints.openai import lifecycle
+from jaxserve.entrypoints.openai.errors import (OpenAIError, from_server_fault, from_validation_error,
+                                                from_value_error)
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
@@ -45,14 +47,18 @@ DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 
 
 class ApiKeyMiddleware:
-    """With --api-key, every /v1 route needs `Authorization: Bearer KEY` (health and metrics stay open)."""
+    """With --api-key, every route needs `Authorization: Bearer KEY`, compared in constant time; only
+    the exact paths /health and /metrics stay open (/metrics too needs it with `protect_metrics`).
+    The path is the one the router matches (decoded, not normalised), so `//v1/models`,
+    `/v1/../v1/models`, `/v1/%6dodels` or a trailing slash all need the key as well."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool = False) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._open = ("/health",) if protect_metrics else ("/health", "/metrics")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in self._open:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not hmac.compare_digest(given, self._expected):
                 error = OpenAIError("Incorrect or missing API key; pass `Authorization: Bearer KEY`.",
@@ -94,16 +100,21 @@ def _endpoint(handler: Handler) -> Handler:
             return exc.response()
         except ValueError as exc:
             return from_value_error(exc).response()
+        except (EngineDeadError, RequestFailedError) as exc:  # logged where they happened
+            return from_server_fault(exc).response()
         except Exception as exc:  # noqa: BLE001  (the server must stay up)
             logger.exception("internal error on %s %s", request.method, request.url.path)
-            return OpenAIError(f"Internal server error: {exc!r}", status=500).response()
+            return from_server_fault(exc).response()
 
     return wrapped
 
 
 def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, trust_request_chat_template: bool = False,
-              tool_parser: str | None = None, reasoning_parser: str | None = None) -> Starlette:
+              tool_parser: str | None = None, reasoning_parser: str | None = None,
+              state: lifecycle.ServerState | None = None, max_num_queued_reqs: int | None = None,
+              protect_metrics: bool = False, max_n_sequences: int = 16384,
+              max_header_bytes: int = lifecycle.DEFAULT_MAX_HEADER_BYTES) -> Starlette:
     """The ASGI app serving `engine`; each app has its own metrics registry. `tool_parser`: parse
     `tool_choice: auto` calls from the model's text (--enable-auto-tool-choice --tool-call-parser)."""
     metrics = ServerMetrics(engine)
@@ -111,6 +122,8 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     chat = ServingChat(engine, metrics, load_chat_template(chat_template),
                        trust_request_chat_template=trust_request_chat_template, tool_parser=tool_parser,
                        reasoning_parser=reasoning_parser)
+    for serving in (completions, chat):
+        serving.max_num_queued_reqs, serving.max_n_sequences = max_num_queued_reqs, max_n_sequences
     openapi = build_openapi(jaxserve.__version__)
 
     async def create_completion(request: Request) -> Response:
@@ -141,11 +154,12 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         chat.check_token_ids(req.tokens, "tokens")
         return JSONResponse(p.DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)).model_dump())
 
+    state = state or lifecycle.ServerState()
+
     async def health(request: Request) -> Response:
-        # The engine may expose `errored` (its loop thread died); then load balancers should drain us.
-        if getattr(engine, "errored", False):
-            return OpenAIError("The engine has stopped", status=503).response()
-        return Response(status_code=200)
+        # 503 while warming up, shutting down, or after the engine died: load balancers drain us.
+        refusal = lifecycle.unavailable(engine, state)
+        return Response(status_code=200) if refusal is None else refusal.response()
 
     async def version(request: Request) -> Response:
         return JSONResponse(p.VersionResponse(version=jaxserve.__version__).model_dump())
@@ -176,20 +190,13 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
+    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state,
+                       max_header_bytes=max_header_bytes)  # outermost
     app.state.engine = engine
+    app.state.lifecycle = state
     app.state.metrics = metrics
     return app
-
-
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after its graceful shutdown (exit status 143); we want 0."""
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig == signal.SIGTERM:
-            self.should_exit = True
-            return
-        super().handle_exit(sig, frame)
 
 
 def log_startup(engine: EngineClient, args: EngineArgs, seconds: float) -> None:
@@ -205,39 +212,65 @@ def log_startup(engine: EngineClient, args: EngineArgs, seconds: float) -> None:
         logger.info("%s", report())
 
 
-def serve_app(app: Starlette, server: cli_args.ServerArgs) -> None:
-    """Serve until SIGINT/SIGTERM; in-flight requests get `timeout_graceful_shutdown` seconds to finish."""
-    _Server(uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
-                           timeout_graceful_shutdown=server.timeout_graceful_shutdown)).run()
+def serve_app(app: Starlette, server: cli_args.ServerArgs) -> int:
+    """Serve until SIGINT/SIGTERM (0: in-flight requests get `shutdown_timeout` seconds, then are
+    aborted) or the engine's death (1)."""
+    return lifecycle.serve(app, app.state.engine, app.state.lifecycle, host=server.host, port=server.port,
+                           log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
+
+
+def app_for(engine: EngineClient, config: cli_args.ServeConfig, state: lifecycle.ServerState) -> Starlette:
+    """The app with every server flag applied."""
+    server = config.server
+    return build_app(engine, api_key=server.api_key, chat_template=config.engine.chat_template,
+                     max_body_bytes=server.max_request_body_bytes,
+                     trust_request_chat_template=server.trust_request_chat_template,
+                     tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
+                     reasoning_parser=server.reasoning_parser, state=state,
+                     max_num_queued_reqs=server.max_num_queued_reqs, protect_metrics=server.api_key_protects_metrics,
+                     max_n_sequences=server.max_n_sequences, max_header_bytes=server.max_request_header_bytes)
 
 
 def run_server(config: cli_args.ServeConfig) -> int:
-    """Load the engine, serve until SIGINT/SIGTERM, shut the engine down; 0 after a clean stop."""
+    """Bind at once (503 everywhere, /health included, while the engine loads and warms up), serve
+    until SIGINT/SIGTERM (0) or the engine's death (1), shut the engine down."""
     from jaxserve.engine import multihost
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
-    start = time.monotonic()
-    if multihost.is_enabled(config.engine):  # --num-hosts: rank 0 serves and schedules, the others follow
+    background = not multihost.is_enabled(config.engine)  # multi-host start-up stays on the main thread
+    if not background:  # --num-hosts: rank 0 serves and schedules, the others follow
         multihost.initialize(config.engine)
         if not multihost.is_leader():
             return multihost.run_worker(config.engine)
-        engine = AsyncLLM(multihost.leader_engine(config.engine))
+    state = lifecycle.ServerState(ready=False)
+    gate = lifecycle.StartupGate(state)
+
+    def load() -> None:
+        start = time.monotonic()
+        try:
+            engine = (AsyncLLM.from_engine_args(config.engine) if background
+                      else AsyncLLM(multihost.leader_engine(config.engine)))
+            log_startup(engine, config.engine, time.monotonic() - start)
+            gate.open(app_for(engine, config, state), engine)
+        except Exception:  # noqa: BLE001  (reported, and the server exits 1)
+            logger.exception("the engine failed to start")
+            gate.failed = True
+
+    if background:
+        threading.Thread(target=load, name="jaxserve-load", daemon=True).start()
     else:
-        engine = AsyncLLM.from_engine_args(config.engine)
-    log_startup(engine, config.engine, time.monotonic() - start)
+        load()
+    server = config.server
     try:
-        server = config.server
-        app = build_app(engine, api_key=server.api_key, chat_template=config.engine.chat_template,
-                        max_body_bytes=server.max_request_body_bytes,
-                        trust_request_chat_template=server.trust_request_chat_template,
-                        tool_parser=server.tool_call_parser if server.enable_auto_tool_choice else None,
-                        reasoning_parser=server.reasoning_parser)
-        serve_app(app, config.server)
+        code = lifecycle.serve(gate, gate, state, host=server.host, port=server.port,
+                               log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
     finally:
-        engine.shutdown()
-        if isinstance(engine, AsyncLLM):
-            multihost.stop_workers(engine.engine)
-    return 0
+        engine = gate.engine
+        if engine is not None:
+            engine.shutdown()
+            if isinstance(engine, AsyncLLM):
+                multihost.stop_workers(engine.engine)
+    return code
 
 
 def run_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -13,6 +13,7 @@ import re
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
+from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 _TYPE_BY_STATUS = {
@@ -73,3 +74,12 @@ def from_value_error(exc: ValueError, *, default_param: str | None = None) -> Op
     match = _FIELD.match(message)
     param = match.group(1) if match and ("_" in match.group(1) or match.group(1).islower()) else default_param
     return OpenAIError(message, param=param, code="invalid_value")
+
+
+def from_server_fault(exc: Exception) -> OpenAIError:
+    """A 500 for a failure that is not the request's fault. The engine's own kinds keep their message
+    (code: the kind); anything else says only its type: bodies never carry paths, addresses or
+    tracebacks (the log has them)."""
+    if isinstance(exc, (EngineDeadError, RequestFailedError)):
+        return OpenAIError(str(exc), status=500, code=type(exc).__name__)
+    return OpenAIError(f"Internal server error ({type(exc).__name__})", status=500)

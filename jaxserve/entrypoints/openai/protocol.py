@@ -49,7 +49,7 @@ PromptInput = str | list[str] | list[int] | list[list[int]]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # NaN/Infinity: a 400
     REFUSED: ClassVar[dict[str, str]] = REFUSED_FIELDS
 
     @model_validator(mode="after")
@@ -155,7 +155,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None

@@ -74,6 +74,13 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, object]]:
     return result
 
 
+# apply_chat_template's own arguments: the server decides these, a request's template kwargs may not.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding",
+    "truncation", "max_length", "return_tensors"})
+
+
 class ServingChat(BaseServing):
     def __init__(self, engine: EngineClient, metrics: ServerMetrics | None, chat_template: str | None, *,
                  trust_request_chat_template: bool = False, tool_parser: str | None = None,
@@ -100,11 +107,16 @@ class ServingChat(BaseServing):
 
     def _check(self, req: ChatCompletionRequest) -> None:
         self.check_model(req.model)
+        self.check_num_sequences(req.n, None)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template: a request may only pass a chat template when the server runs with "
                               "--trust-request-chat-template", param="chat_template", code="chat_template_not_allowed")
+        reserved = sorted(set(req.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:  # (vLLM's advisory: a template smuggled in here would run unreviewed Jinja)
+            raise OpenAIError(f"chat_template_kwargs: may not set {reserved[0]!r}", param="chat_template_kwargs",
+                              code="invalid_value")
         if req.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIError('tool_choice: "auto" needs the server to run with --enable-auto-tool-choice and '
                               "--tool-call-parser", param="tool_choice")
@@ -126,6 +138,7 @@ class ServingChat(BaseServing):
         self.check_token_ids(list(req.token_logit_bias() or {}), "logit_bias")
         params = req.to_sampling_params(max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=req.structured_params(forced_tool_schema(req)))
+        self.check_overload()
         request_id = random_id("chatcmpl")
         streams = [self.stream(prompt_ids, params, request_id)]
         merged = merge_streams(await prime(streams), streams)

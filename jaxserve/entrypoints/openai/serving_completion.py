@@ -23,6 +23,7 @@ from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disc
 class ServingCompletion(BaseServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         self.check_model(req.model)
+        self.check_num_sequences(req.n, req.best_of)
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if req.stream and req.best_of is not None and req.best_of != req.n:
@@ -33,9 +34,11 @@ class ServingCompletion(BaseServing):
         streams = []
         self.check_token_ids(list(req.token_logit_bias() or {}), "logit_bias")
         structured = req.structured_params()  # validated once for all prompts
+        max_tokens_each = [self.resolve_max_tokens(len(ids), req.max_tokens, prompt_param="prompt",
+                                                   max_tokens_param="max_tokens") for _, ids in prompts]
+        self.check_overload()
         for i, (_, ids) in enumerate(prompts):
-            max_tokens = self.resolve_max_tokens(len(ids), req.max_tokens, prompt_param="prompt",
-                                                 max_tokens_param="max_tokens")
+            max_tokens = max_tokens_each[i]
             params = req.to_sampling_params(
                 max_tokens, best_of=req.best_of, logprobs=req.logprobs, structured_outputs=structured,
                 prompt_logprobs=req.logprobs if want_prompt_logprobs else None,

@@ -9,6 +9,7 @@ Prompts are tokenized here, not in the engine, so the length checks (and the
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -18,10 +19,12 @@ from pydantic import BaseModel
 from jaxserve.engine.outputs import LogprobsDict, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.entrypoints.openai.engine_client import EngineClient
-from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
+from jaxserve.entrypoints.openai.errors import OpenAIError, from_server_fault
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.protocol import TopLogprob
 
+logger = logging.getLogger("jaxserve.api_server")
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
 
 
@@ -47,11 +50,16 @@ async def sse_stream(events: AsyncIterator[str], merged: AsyncGenerator) -> Asyn
     except OpenAIError as exc:
         yield sse(exc.to_dict())
     except Exception as exc:  # noqa: BLE001  (keep serving: one request's failure stays its own)
-        yield sse(OpenAIError(f"Internal error: {exc!r}", status=500).to_dict())
+        if not isinstance(exc, (EngineDeadError, RequestFailedError)):
+            logger.exception("internal error in a stream")
+        yield sse(from_server_fault(exc).to_dict())
     yield SSE_DONE
 
 
 class BaseServing:
+    max_num_queued_reqs: int | None = None  # --max-num-queued-reqs (set by build_app)
+    max_n_sequences: int = 16384  # --max-n-sequences (vLLM's VLLM_MAX_N_SEQUENCES default)
+
     def __init__(self, engine: EngineClient, metrics: ServerMetrics | None) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -64,6 +72,22 @@ class BaseServing:
         if model is not None and model != self.engine.model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
                               code="model_not_found")
+
+    def check_num_sequences(self, n: int, best_of: int | None) -> None:
+        """A 400 when a request asks for more parallel samples than --max-n-sequences."""
+        for param, value in (("n", n), ("best_of", best_of)):
+            if value is not None and value > self.max_n_sequences:
+                raise OpenAIError(f"{param} must be <= {self.max_n_sequences} (--max-n-sequences), got {value}",
+                                  param=param, code="invalid_value")
+
+    def check_overload(self) -> None:
+        """A 503 at once when --max-num-queued-reqs requests already wait to start (after the
+        request's own checks, before any work is queued)."""
+        limit = self.max_num_queued_reqs
+        num_queued = getattr(self.engine, "num_queued", None)
+        if limit is not None and callable(num_queued) and num_queued() >= limit:
+            raise OpenAIError(f"The server is overloaded: {limit} requests are already waiting; retry later",
+                              status=503, code="server_overloaded")
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -23,7 +23,7 @@ from jaxserve.core.structured_output import validate_structured_outputs
 
 class _Part(BaseModel):
     # Forgiving like the requests (unknown keys kept); pydantic is strict about the declared ones.
-    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True, allow_inf_nan=False)
 
 
 class JsonSchemaFormat(_Part):

@@ -22,6 +22,8 @@ from jaxserve.entrypoints.openai.protocol import ChatCompletionRequest, Function
 from jaxserve.entrypoints.openai.structured import NamedToolChoice
 
 TOOL_PARSERS = ("hermes", "llama3_json", "mistral")
+# What the model's text may make json.loads raise: bad JSON, or nesting deeper than the recursion limit.
+_BAD_JSON = (json.JSONDecodeError, RecursionError)
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
 
@@ -61,7 +63,7 @@ def forced_calls(req: ChatCompletionRequest, text: str) -> list[ToolCall]:
         return [new_call(req.tool_choice.function.name, text)]
     try:
         items = json.loads(text)
-    except json.JSONDecodeError:
+    except _BAD_JSON:
         return []  # cut short by max_tokens: finish_reason "length" tells the client
     return [new_call(str(item["name"]), item.get("parameters", {})) for item in items
             if isinstance(item, dict) and "name" in item]
@@ -91,7 +93,7 @@ def parse_auto(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
 def _loads(text: str, kind: type) -> list:
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except _BAD_JSON:
         return []
     return value if isinstance(value, kind) else [value]
 
@@ -99,7 +101,7 @@ def _loads(text: str, kind: type) -> list:
 def _call(text: str) -> ToolCall | None:
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError:
+    except _BAD_JSON:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None

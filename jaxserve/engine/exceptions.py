@@ -1,0 +1,22 @@
+"""The engine's failure kinds, as vLLM names them, so the server can tell them apart.
+
+    EngineDeadError     the engine loop stopped (a failed step, a bug): every request in flight
+                        ends with it, new ones are refused (503), the server exits non-zero
+    RequestFailedError  one request's own input made the step fail (the loop knows which):
+                        that request alone ends with an error, the others carry on
+"""
+
+from __future__ import annotations
+
+
+class EngineDeadError(RuntimeError):
+    def __init__(self, message: str = "The engine has stopped after an error; the server is shutting down") -> None:
+        super().__init__(message)
+
+
+class RequestFailedError(RuntimeError):
+    """Raised inside a step, before it changes any state, by code that knows which request is at fault."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id
