@@ -98,3 +98,79 @@ def plot_batching(result: dict, out_path: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def plot_peer_comparison(result: dict, out_path: str | Path) -> Path:
+    """Grouped bars: output tokens/s of each server per workload, with the rounds' range as error bars
+    and each bar's ratio to `result["baseline"]` above it (the row's "ratio" when it has one, e.g. the
+    median of per-round ratios, else the ratio of the medians).
+
+    result: {"title": str, "baseline": server name, "workloads": {workload label: [{"server": str,
+    "output_throughput": median, "range": [lo, hi], "ratio": optional}, ...]}} (scripts/plot_benchmarks.py writes one)."""
+    plt = _plt()
+    workloads = list(result["workloads"])
+    servers = list(dict.fromkeys(r["server"] for rows in result["workloads"].values() for r in rows))
+    width = 0.8 / len(servers)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for j, server in enumerate(servers):
+        for i, workload in enumerate(workloads):
+            rows = {r["server"]: r for r in result["workloads"][workload]}
+            if server not in rows:
+                continue
+            row, base = rows[server], rows.get(result["baseline"])
+            x, y = i + (j - (len(servers) - 1) / 2) * width, row["output_throughput"]
+            lo, hi = row.get("range", (y, y))
+            ax.bar(x, y, width * 0.92, color=f"C{j}", label=server if i == 0 else None,
+                   yerr=[[y - lo], [hi - y]], capsize=3, ecolor="#333")
+            if base is not None and server != result["baseline"]:
+                ratio = row.get("ratio", y / base["output_throughput"])  # the table's own ratio when given
+                ax.annotate(f"{ratio:.2f}x", (x, hi), textcoords="offset points",
+                            xytext=(0, 3), ha="center", fontsize=8)
+    ax.set_xticks(range(len(workloads)), workloads)
+    ax.set_ylabel("output tokens/s (median of rounds)")
+    ax.set_title(result.get("title", ""), fontsize=10)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot_throughput_curves(sweep: dict, out_path: str | Path, title: str = "") -> Path:
+    """One `bench sweep` result (sweep.json): output tokens/s against the swept parameter (log2 axis
+    for numbers), with TTFT p99 on a second axis; each point labelled with its throughput."""
+    plt = _plt()
+    rows = sweep["rows"]
+    xs = [r["value"] for r in rows]
+    numeric = all(isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in xs)
+    pos = xs if numeric else list(range(len(xs)))
+    tput = [r["output_throughput"] for r in rows]
+    fig, ax1 = plt.subplots(figsize=(7.5, 4.2))
+    ax1.plot(pos, tput, "o-", color="tab:blue", label="output tokens/s")
+    for x, y in zip(pos, tput):
+        ax1.annotate(f"{y:.0f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8,
+                     color="tab:blue")
+    if numeric:
+        ax1.set_xscale("log", base=2)
+    ax1.set_xticks(pos, [str(x) for x in xs])
+    ax1.set_xlabel(sweep.get("param", "value").replace("_", "-"))
+    ax1.set_ylabel("output tokens/s", color="tab:blue")
+    ax1.set_ylim(0, max(tput) * 1.2)
+    ttft = [r.get("p99_ttft_ms") for r in rows]
+    if all(t is not None for t in ttft):
+        ax2 = ax1.twinx()
+        ax2.plot(pos, [t / 1000 for t in ttft], "s--", color="tab:red", label="TTFT p99")
+        ax2.set_ylabel("TTFT p99 (s)", color="tab:red")
+        ax2.set_ylim(0, max(ttft) / 1000 * 1.2)
+    ax1.set_title(title or f"{sweep.get('mode', '')} sweep of {sweep.get('param', '')}", fontsize=10)
+    ax1.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
