@@ -38,6 +38,7 @@ from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
+from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, wrong_runner
 
 logger = logging.getLogger("jaxserve.api_server")
 M = TypeVar("M", bound=BaseModel)
@@ -174,12 +175,19 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         Route("/metrics", _endpoint(metrics_endpoint), methods=["GET"]),
         Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
     ]
+    routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     app.state.engine = engine
     app.state.metrics = metrics
     return app
+
+
+def _refuse_pooling(path: str) -> Handler:
+    async def handler(request: Request) -> Response:
+        raise wrong_runner("generate", path)
+    return handler
 
 
 class _Server(uvicorn.Server):
@@ -217,6 +225,8 @@ def run_server(config: cli_args.ServeConfig) -> int:
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
     start = time.monotonic()
+    if _is_pooling(config.engine):
+        return _run_pooling_server(config, start)
     if multihost.is_enabled(config.engine):  # --num-hosts: rank 0 serves and schedules, the others follow
         multihost.initialize(config.engine)
         if not multihost.is_leader():
@@ -237,6 +247,30 @@ def run_server(config: cli_args.ServeConfig) -> int:
         engine.shutdown()
         if isinstance(engine, AsyncLLM):
             multihost.stop_workers(engine.engine)
+    return 0
+
+
+def _is_pooling(args: EngineArgs) -> bool:
+    from jaxserve.pooling.config import read_pooling_info
+    from jaxserve.weights.loader import resolve_model_path
+
+    return read_pooling_info(resolve_model_path(args.model), args.runner, args.convert,
+                             args.override_pooler_config).runner == "pooling"
+
+
+def _run_pooling_server(config: cli_args.ServeConfig, start: float) -> int:
+    """--runner pooling (or a pooling model under auto): /v1/embeddings, /score, /rerank (serving_pooling.py)."""
+    from jaxserve.entrypoints.openai.serving_pooling import build_pooling_app
+    from jaxserve.pooling.engine import AsyncPoolingLLM
+
+    engine = AsyncPoolingLLM.from_engine_args(config.engine)
+    logger.info("pooling model %s: max_model_len %d; loaded and warmed up in %.1f s; %s", engine.model_name,
+                engine.max_model_len, time.monotonic() - start, engine.startup_report())
+    try:
+        serve_app(build_pooling_app(engine, api_key=config.server.api_key,
+                                    max_body_bytes=config.server.max_request_body_bytes), config.server)
+    finally:
+        engine.shutdown()
     return 0
 
 
