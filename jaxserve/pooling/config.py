@@ -128,7 +128,10 @@ def read_pooling_info(model_path: Path, runner: str = "auto", convert: str = "au
     max_seq = _read_json(st_cfg).get("max_seq_length") if st_cfg.is_file() else None
     dims = hf.get("matryoshka_dimensions")
     matryoshka = tuple(int(d) for d in dims) if isinstance(dims, list) else (() if hf.get("is_matryoshka") else None)
-    st_extra = hf.get("sentence_transformers") or {}
-    act = str(st_extra.get("activation_fn", "Sigmoid"))
+    st_extra = dict(hf.get("sentence_transformers") or {})  # older CrossEncoders: in config.json
+    st_file = model_path / "config_sentence_transformers.json"
+    if st_file.is_file():
+        st_extra.update(_read_json(st_file))
+    act = str(st_extra.get("activation_fn") or "Sigmoid")
     return PoolingModelInfo("pooling", task, arch, pooler, int(max_seq) if max_seq else None, matryoshka,
                             score_activation=act.endswith("Sigmoid"))

@@ -11,9 +11,9 @@ import asyncio
 import functools
 import itertools
 import logging
+import os
 import queue
 import threading
-import time
 
 import jax
 import numpy as np
@@ -38,6 +38,10 @@ class PoolingEngine:
     def __init__(self, args: EngineArgs, progress: bool = True) -> None:
         from transformers import AutoTokenizer
 
+        if args.compilation_cache_dir:  # as LLMEngine: a restart loads its programs instead of compiling
+            jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_enable_compilation_cache", bool(args.compilation_cache_dir))
         path = resolve_model_path(args.model)
         self.info: PoolingModelInfo = read_pooling_info(path, args.runner, args.convert, args.override_pooler_config)
         if self.info.runner != "pooling":
@@ -231,12 +235,3 @@ class AsyncPoolingLLM:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         self.engine.shutdown()
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
