@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 
 import httpx
 import numpy as np
@@ -152,3 +153,13 @@ def test_concurrent_requests_share_steps_and_compile_nothing(url: str, llm: LLM,
         got = np.array(list(pool.map(one, range(len(TEXTS)))))
     assert _cosines(got, reference).min() >= 0.9999
     assert llm.llm_engine.get_stats().num_compilations_after_warmup == 0
+
+
+def test_bench_serve_embeddings_endpoint(url: str, capsys) -> None:
+    from jaxserve.cli import main
+
+    rc = main(["bench", "serve", "--base-url", url, "--endpoint", "/v1/embeddings", "--num-prompts", "8",
+               "--random-input-len", "20", "--embed-batch-size", "4", "--max-concurrency", "2", "--disable-tqdm"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "Request throughput (req/s)" in out and "Input token throughput (tok/s)" in out
+    assert re.search(r"Successful requests:\s+2\s", out) and re.search(r"Failed requests:\s+0\s", out)

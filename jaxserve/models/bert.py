@@ -22,6 +22,8 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxserve.quantization.matmul import matmul
+
 Params = dict[str, jax.Array | dict[str, jax.Array]]
 
 # architecture -> (family, task): the task a checkpoint of that class is made for
@@ -125,9 +127,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array) -
 
 
 def encode(params: Params, cfg: EncoderConfig, token_ids: jax.Array, type_ids: jax.Array,
-           lengths: jax.Array) -> jax.Array:
+           lengths: jax.Array, dots: jnp.dtype | None = None) -> jax.Array:
     """token_ids, type_ids [B, S] i32 (type: the segment of a pair), lengths [B] i32
-    -> last hidden states [B, S, H] (positions past a row's length are junk)."""
+    -> last hidden states [B, S, H] (positions past a row's length are junk). dots: the projections'
+    operands rounded to that dtype, accumulated in float32 (the CPU's --dtype auto, as llama.run_layers)."""
     batch, seq_len = token_ids.shape
     pos = jnp.arange(seq_len, dtype=jnp.int32) + cfg.position_offset
     h = params["word_embed"][token_ids] + params["pos_embed"][pos][None] + params["type_embed"][type_ids]
@@ -137,12 +140,13 @@ def encode(params: Params, cfg: EncoderConfig, token_ids: jax.Array, type_ids: j
     nh, hd = cfg.num_heads, cfg.head_dim
 
     def layer_body(h: jax.Array, lp: dict[str, jax.Array]) -> tuple[jax.Array, None]:
-        q = (h @ lp["wq"] + lp["bq"]).reshape(batch, seq_len, nh, hd)
-        k = (h @ lp["wk"] + lp["bk"]).reshape(batch, seq_len, nh, hd)
-        v = (h @ lp["wv"] + lp["bv"]).reshape(batch, seq_len, nh, hd)
+        q = (matmul(h, lp["wq"], dots) + lp["bq"]).reshape(batch, seq_len, nh, hd)
+        k = (matmul(h, lp["wk"], dots) + lp["bk"]).reshape(batch, seq_len, nh, hd)
+        v = (matmul(h, lp["wv"], dots) + lp["bv"]).reshape(batch, seq_len, nh, hd)
         attn = dense_attention(q, k, v, bias).reshape(batch, seq_len, nh * hd)
-        h = layer_norm(h + attn @ lp["wo"] + lp["bo"], lp["attn_ln_w"], lp["attn_ln_b"], cfg.layer_norm_eps)
-        mlp = act(h @ lp["w_in"] + lp["b_in"]) @ lp["w_out"] + lp["b_out"]
+        h = layer_norm(h + matmul(attn, lp["wo"], dots) + lp["bo"], lp["attn_ln_w"], lp["attn_ln_b"],
+                       cfg.layer_norm_eps)
+        mlp = matmul(act(matmul(h, lp["w_in"], dots) + lp["b_in"]), lp["w_out"], dots) + lp["b_out"]
         return layer_norm(h + mlp, lp["mlp_ln_w"], lp["mlp_ln_b"], cfg.layer_norm_eps), None
 
     h, _ = jax.lax.scan(layer_body, h, params["layers"])

@@ -25,6 +25,7 @@ from jaxserve.pooling import model as pooling_model
 from jaxserve.pooling.config import PoolingModelInfo, read_pooling_info
 from jaxserve.pooling.scheduler import PoolingRequest, PoolingScheduler, power_of_two_buckets
 from jaxserve.weights.loader import resolve_dtype, resolve_model_path
+from jaxserve.worker import sizing
 from jaxserve.worker.programs import num_compilations
 
 log = logging.getLogger(__name__)
@@ -58,9 +59,13 @@ class PoolingEngine:
             args.max_num_seqs, budget,
             power_of_two_buckets(min(SMALLEST_SEQ_BUCKET, self.max_model_len), self.max_model_len),
             power_of_two_buckets(1, args.max_num_seqs))
+        # --dtype auto on a CPU with bfloat16 dot instructions: bfloat16 dots, as the generate runner's
+        # (engine/config.py); the steps a pooling model runs are all past its 64-token threshold.
+        on_cpu = jax.default_backend() == "cpu"
+        self.bf16_dots = args.dtype == "auto" and sizing.default_bf16_dots_from(on_cpu) > 0
         self._fn = jax.jit(functools.partial(
-            pooling_model.step, cfg=self.model.cfg, task=self.task,
-            pooling_type=self.info.pooler.pooling_type, normalize=self.info.pooler.normalize))
+            pooling_model.step, cfg=self.model.cfg, task=self.task, pooling_type=self.info.pooler.pooling_type,
+            normalize=self.info.pooler.normalize, bf16_dots=self.bf16_dots))
         self._finished: dict[str, np.ndarray] = {}
         self.num_prompt_tokens = 0
         self._warm_up(progress)
@@ -122,7 +127,8 @@ class PoolingEngine:
 
     def startup_report(self) -> str:
         return (f"pooling model ({self.task}, {self.info.pooler.pooling_type} pooling, normalize="
-                f"{self.info.pooler.normalize}): {len(self._programs)} programs compiled at start-up")
+                f"{self.info.pooler.normalize}{', bfloat16 dots' if self.bf16_dots else ''}): "
+                f"{len(self._programs)} programs compiled at start-up")
 
     def run_to_completion(self, inputs: list[tuple[list[int], list[int] | None]]) -> list[np.ndarray]:
         """Offline: every input's raw row, in order."""
