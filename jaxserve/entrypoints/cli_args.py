@@ -94,6 +94,9 @@ _HELP = {
     "speculative_config": "JSON, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' drafts "
                           "greedy requests' next tokens from their own earlier n-grams; on one CPU device "
                           "ngram with 4 tokens unless given; '{}': none",
+    "runner": "auto: pooling for embedding/reranking models (encoders, sentence-transformers directories), else generate",
+    "convert": "the pooling task: embed (/v1/embeddings) or classify (/score, /rerank); auto: the architecture's",
+    "override_pooler_config": "JSON, as vLLM: '{\"pooling_type\": \"MEAN\", \"normalize\": true}' beats the model's pooler",
     "host": "address to bind",
     "port": "port to bind",
     "api_key": "require `Authorization: Bearer KEY` on every route but /health and /metrics",

@@ -16,6 +16,14 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.weights.loader import LoadedModel
 
 
+def _is_pooling(args: EngineArgs) -> bool:
+    from jaxserve.pooling.config import read_pooling_info
+    from jaxserve.weights.loader import resolve_model_path
+
+    return read_pooling_info(resolve_model_path(args.model), args.runner, args.convert,
+                             args.override_pooler_config).runner == "pooling"
+
+
 class LLM:
     """An engine in this process. `model=None` serves the default model (SmolLM2-135M-Instruct).
 
@@ -30,8 +38,38 @@ class LLM:
         # An already loaded model (e.g. to try several engine settings on the same weights) is used as is.
         loaded = model if isinstance(model, LoadedModel) else None
         args = EngineArgs(model=None if loaded else model, **engine_args)
-        self.llm_engine = LLMEngine(args, model=loaded, progress=progress)
         self._ids = itertools.count()
+        if loaded is None and _is_pooling(args):  # runner="pooling": embed / classify / score (jaxserve/pooling)
+            from jaxserve.pooling.engine import PoolingEngine
+
+            self.llm_engine = PoolingEngine(args, progress=progress)
+            return
+        self.llm_engine = LLMEngine(args, model=loaded, progress=progress)
+
+    def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
+              use_tqdm: bool = False) -> list:
+        """EmbeddingRequestOutput per prompt (`.outputs.embedding`); a pooling model only."""
+        from jaxserve.pooling import offline
+
+        return offline.embed(self._pooling_engine("embed"), prompts, truncate_prompt_tokens, dimensions)
+
+    def classify(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
+        """ClassificationRequestOutput per prompt (`.outputs.probs`)."""
+        from jaxserve.pooling import offline
+
+        return offline.classify(self._pooling_engine("classify"), prompts, truncate_prompt_tokens)
+
+    def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
+        """ScoringRequestOutput per pair (`.outputs.score`): a cross-encoder's, or the embeddings' cosine."""
+        from jaxserve.pooling import offline
+
+        return offline.score(self._pooling_engine("score"), text_1, text_2, truncate_prompt_tokens)
+
+    def _pooling_engine(self, method: str):
+        if getattr(self.llm_engine, "runner", "generate") != "pooling":
+            raise ValueError(f"runner: {method}() needs a pooling model (runner='pooling'); this LLM runs "
+                             "runner='generate'")
+        return self.llm_engine
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
@@ -39,6 +77,9 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        if getattr(self.llm_engine, "runner", "generate") == "pooling":
+            raise ValueError("runner: generate() needs a generative model; this LLM runs runner='pooling' "
+                             "(use embed, score or classify)")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]

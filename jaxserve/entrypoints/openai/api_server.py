@@ -40,6 +40,7 @@ from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
+from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, wrong_runner
 
 logger = logging.getLogger("jaxserve.api_server")
 M = TypeVar("M", bound=BaseModel)
@@ -188,6 +189,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         Route("/metrics", _endpoint(metrics_endpoint), methods=["GET"]),
         Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
     ]
+    routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
@@ -197,6 +199,12 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     app.state.lifecycle = state
     app.state.metrics = metrics
     return app
+
+
+def _refuse_pooling(path: str) -> Handler:
+    async def handler(request: Request) -> Response:
+        raise wrong_runner("generate", path)
+    return handler
 
 
 def log_startup(engine: EngineClient, args: EngineArgs, seconds: float) -> None:
@@ -237,6 +245,8 @@ def run_server(config: cli_args.ServeConfig) -> int:
     from jaxserve.engine import multihost
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
+    if _is_pooling(config.engine):
+        return _run_pooling_server(config)
     background = not multihost.is_enabled(config.engine)  # multi-host start-up stays on the main thread
     if not background:  # --num-hosts: rank 0 serves and schedules, the others follow
         multihost.initialize(config.engine)
@@ -271,6 +281,34 @@ def run_server(config: cli_args.ServeConfig) -> int:
             if isinstance(engine, AsyncLLM):
                 multihost.stop_workers(engine.engine)
     return code
+
+
+def _is_pooling(args: EngineArgs) -> bool:
+    from jaxserve.pooling.config import read_pooling_info
+    from jaxserve.weights.loader import resolve_model_path
+
+    return read_pooling_info(resolve_model_path(args.model), args.runner, args.convert,
+                             args.override_pooler_config).runner == "pooling"
+
+
+def _run_pooling_server(config: cli_args.ServeConfig) -> int:
+    """--runner pooling (or a pooling model under auto): /v1/embeddings, /score, /rerank (serving_pooling.py)."""
+    from jaxserve.entrypoints.openai.serving_pooling import build_pooling_app
+    from jaxserve.pooling.engine import AsyncPoolingLLM
+
+    start = time.monotonic()
+    engine = AsyncPoolingLLM.from_engine_args(config.engine)
+    logger.info("pooling model %s: max_model_len %d; loaded and warmed up in %.1f s; %s", engine.model_name,
+                engine.max_model_len, time.monotonic() - start, engine.startup_report())
+    try:
+        server, state = config.server, lifecycle.ServerState()
+        app = lifecycle.LifecycleMiddleware(
+            build_pooling_app(engine, api_key=server.api_key, max_body_bytes=server.max_request_body_bytes),
+            engine=engine, state=state, max_header_bytes=server.max_request_header_bytes)
+        return lifecycle.serve(app, engine, state, host=server.host, port=server.port,
+                               log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
+    finally:
+        engine.shutdown()
 
 
 def run_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

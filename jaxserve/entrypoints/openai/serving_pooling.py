@@ -1,0 +1,222 @@
+"""The pooling routes (vLLM's shapes): /v1/embeddings, /score, /rerank (+ /v1, /v2), /classify.
+
+    body --read_json--> request --tokenize (worker thread)--> engine.pool (batched with every other
+    request in flight) --postprocess + JSON encode (worker thread)--> response
+
+Tokenizing and serializing run in worker threads, so the event loop keeps accepting requests and
+the engine thread only runs device steps. On a generate server these routes are a 400 naming the
+runner, and on a pooling server the generation routes are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import jaxserve
+from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.pooling import io
+
+POOLING_ROUTES = ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify")
+GENERATE_ROUTES = ("/v1/completions", "/v1/chat/completions")
+
+
+class _Req(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+
+
+class EmbeddingRequest(_Req):
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: str = "float"
+    dimensions: int | None = None
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    user: str | None = None
+
+
+class ScoreRequest(_Req):
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+
+class RerankRequest(_Req):
+    query: str
+    documents: list[str] | list[dict]
+    top_n: int | None = None
+    return_documents: bool = True
+
+
+class ClassificationRequest(_Req):
+    input: str | list[str] | list[int] | list[list[int]]
+    truncate_prompt_tokens: int | None = None
+
+
+def wrong_runner(runner: str, path: str) -> OpenAIError:
+    other = "pooling" if runner == "generate" else "generate"
+    return OpenAIError(f"{path} is not served by this model: it runs with --runner {runner}, and {path} "
+                       f"needs a model that runs with --runner {other}", status=400, code="wrong_runner")
+
+
+class ServingPooling:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.core = engine.engine  # PoolingEngine: tokenizer, info, task
+        self.info = self.core.info
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
+                              code="model_not_found")
+
+    def _tokenize(self, inputs: list, truncate: int | None, add_special_tokens: bool = True) -> list[io.TokenizedInput]:
+        core = self.core
+        return io.tokenize(core.tokenizer, inputs, truncate, core.max_model_len, len(core.tokenizer),
+                           add_special_tokens)
+
+    async def embeddings(self, req: EmbeddingRequest) -> Response:
+        self.check_model(req.model)
+        if self.core.task != "embed":
+            raise OpenAIError("/v1/embeddings needs an embedding model; this one classifies (use /score, /rerank "
+                              "or /classify, or --convert embed)", code="wrong_task")
+        if req.encoding_format not in ("float", "base64"):
+            raise OpenAIError(f"encoding_format must be float or base64, got {req.encoding_format!r}",
+                              param="encoding_format", code="invalid_value")
+        inputs = io.as_inputs(req.input)
+        hidden = self.core.model.cfg.hidden_size
+        io.check_dimensions(self.info, req.dimensions, hidden)
+        tokenized = await asyncio.to_thread(self._tokenize, inputs, req.truncate_prompt_tokens, req.add_special_tokens)
+        rows = await self.engine.pool(tokenized)
+        num_tokens = sum(len(t) for t, _ in tokenized)
+        normalize = self.info.pooler.normalize
+
+        def render() -> bytes:
+            data = [{"index": i, "object": "embedding",
+                     "embedding": io.encode_embedding(io.embedding(r, req.dimensions, normalize), req.encoding_format)}
+                    for i, r in enumerate(rows)]
+            body = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                    "model": self.engine.model_name, "data": data,
+                    "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+            return json.dumps(body, separators=(",", ":")).encode()
+
+        return Response(await asyncio.to_thread(render), media_type="application/json")
+
+    async def _scores(self, firsts: list[str], seconds: list[str], truncate: int | None) -> tuple[list[float], int]:
+        core = self.core
+        if core.task == "classify":
+            if core.num_labels != 1:
+                raise OpenAIError(f"scoring needs a cross-encoder with one label; this model has {core.num_labels}",
+                                  code="wrong_task")
+            tokenized = await asyncio.to_thread(io.tokenize_pairs, core.tokenizer, firsts, seconds,
+                                                truncate or core.max_model_len)
+            rows = await self.engine.pool(tokenized)
+            act = self.info.score_activation and self.info.pooler.activation
+            return [float(io.probabilities(r, act)[0]) for r in rows], sum(len(t) for t, _ in tokenized)
+        uniq = list(dict.fromkeys(firsts + seconds))
+        tokenized = await asyncio.to_thread(self._tokenize, uniq, truncate)
+        rows = dict(zip(uniq, await self.engine.pool(tokenized)))
+        scores = [float(np.dot(rows[a], rows[b]) / max(np.linalg.norm(rows[a]) * np.linalg.norm(rows[b]), 1e-12))
+                  for a, b in zip(firsts, seconds)]
+        return scores, sum(len(t) for t, _ in tokenized)
+
+    async def score(self, req: ScoreRequest) -> Response:
+        self.check_model(req.model)
+        firsts, seconds = io.pair_lists(req.text_1, req.text_2)
+        scores, num_tokens = await self._scores(firsts, seconds, req.truncate_prompt_tokens)
+        body = {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                "model": self.engine.model_name,
+                "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
+        return JSONResponse(body)
+
+    async def rerank(self, req: RerankRequest) -> Response:
+        self.check_model(req.model)
+        if not req.documents:
+            raise OpenAIError("documents must be a non-empty list", param="documents", code="invalid_value")
+        texts = [d if isinstance(d, str) else str(d.get("text", "")) for d in req.documents]
+        if req.top_n is not None and req.top_n < 1:
+            raise OpenAIError(f"top_n must be >= 1, got {req.top_n}", param="top_n", code="invalid_value")
+        scores, num_tokens = await self._scores([req.query] * len(texts), texts, None)
+        order = sorted(range(len(texts)), key=lambda i: -scores[i])[:req.top_n or len(texts)]
+        results = [{"index": i, "document": {"text": texts[i]} if req.return_documents else None,
+                    "relevance_score": scores[i]} for i in order]
+        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": self.engine.model_name,
+                "usage": {"total_tokens": num_tokens}, "results": results}
+        return JSONResponse(body)
+
+    async def classify(self, req: ClassificationRequest) -> Response:
+        self.check_model(req.model)
+        core = self.core
+        if core.task != "classify":
+            raise OpenAIError("/classify needs a classification model", code="wrong_task")
+        tokenized = await asyncio.to_thread(self._tokenize, io.as_inputs(req.input), req.truncate_prompt_tokens)
+        rows = await self.engine.pool(tokenized)
+        labels = core.model.cfg.id2label
+        data = []
+        for i, r in enumerate(rows):
+            probs = io.probabilities(r, self.info.pooler.activation)
+            data.append({"index": i, "label": labels[int(np.argmax(probs))] if labels else str(int(np.argmax(probs))),
+                         "probs": probs.tolist(), "num_classes": len(probs)})
+        num_tokens = sum(len(t) for t, _ in tokenized)
+        return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+                             "model": self.engine.model_name, "data": data,
+                             "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int = 16 * 1024 * 1024) -> Starlette:
+    """The ASGI app of a pooling engine (AsyncPoolingLLM)."""
+    from jaxserve.entrypoints.openai.api_server import ApiKeyMiddleware, _endpoint, read_json
+
+    serving = ServingPooling(engine)
+
+    def route(path: str, model: type[BaseModel], method):
+        async def handler(request: Request) -> Response:
+            return await method(await read_json(request, model, max_body_bytes))
+        return Route(path, _endpoint(handler), methods=["POST"])
+
+    def refuse(path: str) -> Route:
+        async def handler(request: Request) -> Response:
+            raise wrong_runner("pooling", path)
+        return Route(path, _endpoint(handler), methods=["POST"])
+
+    async def list_models(request: Request) -> Response:
+        card = {"id": engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
+                "root": engine.model_name, "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if engine.errored:
+            return OpenAIError("The engine has stopped", status=503).response()
+        return Response(status_code=200)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": jaxserve.__version__})
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return OpenAIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code).response()
+
+    routes = [route("/v1/embeddings", EmbeddingRequest, serving.embeddings)]
+    routes += [route(p, ScoreRequest, serving.score) for p in ("/score", "/v1/score")]
+    routes += [route(p, RerankRequest, serving.rerank) for p in ("/rerank", "/v1/rerank", "/v2/rerank")]
+    routes += [route("/classify", ClassificationRequest, serving.classify)]
+    routes += [refuse(p) for p in GENERATE_ROUTES]
+    routes += [Route("/v1/models", _endpoint(list_models), methods=["GET"]),
+               Route("/health", _endpoint(health), methods=["GET"]),
+               Route("/version", _endpoint(version), methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    app.state.engine = engine
+    return app
