@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("L1.4 parallel", ("jaxserve.parallel",)),
     ("L1.5 weights: what a model is, and loading it", ("jaxserve.weights",)),
     ("L2 worker", ("jaxserve.worker",)),
-    ("L3 engine", ("jaxserve.engine",)),
+    ("L3 engine", ("jaxserve.engine", "jaxserve.pooling")),
     ("L4 front ends", ("jaxserve.entrypoints", "jaxserve.bench", "jaxserve.plan", "jaxserve.cli", "jaxserve")),
 ]
 EXACT_ONLY = {"jaxserve"}  # the package's __init__ itself, not everything under it

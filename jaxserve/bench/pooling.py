@@ -19,6 +19,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.bench import datasets as ds
+from jaxserve.bench.arrivals import arrival_delays
 
 POOLING_ENDPOINTS = ("/v1/embeddings", "/rerank", "/v1/rerank", "/v2/rerank", "/score")
 
@@ -46,8 +47,6 @@ async def _send(client: httpx.AsyncClient, url: str, payload: dict) -> tuple[flo
 
 async def run_load(url: str, payloads: list[dict], request_rate: float, max_concurrency: int | None,
                    headers: dict[str, str], progress: bool, seed: int) -> tuple[list, float]:
-    from jaxserve.bench.serve import arrival_delays
-
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(payloads), desc="bench serve", unit="req", disable=not progress)
     async with httpx.AsyncClient(timeout=httpx.Timeout(3600.0), headers=headers,

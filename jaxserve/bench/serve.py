@@ -30,10 +30,10 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
-import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.bench import datasets as ds
+from jaxserve.bench.arrivals import arrival_delays  # noqa: F401  (bench serve's public helper)
 from jaxserve.bench.pooling import POOLING_ENDPOINTS
 from jaxserve.bench.metrics import (DEFAULT_PERCENTILES, RequestResult, calculate_metrics, format_percentile,
                                     parse_goodput)
@@ -164,16 +164,6 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, req: 
     if not result.success:
         result.error = "the stream ended without any content"
     return result
-
-
-def arrival_delays(n: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
-    """Send times (s from start): a Poisson process (gamma intervals with shape `burstiness`); all 0 at inf."""
-    if math.isinf(request_rate):
-        return [0.0] * n
-    rng = np.random.default_rng(seed)
-    gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n)
-    gaps[0] = 0.0
-    return list(np.cumsum(gaps))
 
 
 async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.SampleRequest], *,

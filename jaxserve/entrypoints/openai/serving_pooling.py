@@ -176,7 +176,7 @@ class ServingPooling:
 
 def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int = 16 * 1024 * 1024) -> Starlette:
     """The ASGI app of a pooling engine (AsyncPoolingLLM)."""
-    from jaxserve.entrypoints.openai.api_server import ApiKeyMiddleware, _endpoint, read_json
+    from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, _endpoint, read_json
 
     serving = ServingPooling(engine)
 
