@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+from jaxserve.quantization.formats import METHODS as _QUANTIZATION_METHODS
+
 PreemptionMode = Literal["recompute", "swap"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "xla": the XLA attention path (the CPU serving path); "pallas": the Pallas kernels (GPU).
 # "reference" is the old name of "xla", still accepted.
 AttentionBackend = Literal["auto", "xla", "pallas", "reference"]
-Quantization = Literal["int8", "fp8", "awq", "gptq", "compressed-tensors"]  # jaxserve.quantization
+Quantization = Literal[_QUANTIZATION_METHODS]  # owned by jaxserve/quantization/formats.py
 KvCacheDtype = Literal["auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 BlockSize = Literal[8, 16, 32, 64, 128]
 

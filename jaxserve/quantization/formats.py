@@ -18,8 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The one list of `--quantization` methods (vLLM's names): the CLI's choices (jaxserve.constants'
+# Literal), EngineArgs, the loader's checks and worker/sizing read these. This module imports no JAX.
 CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
 ON_LOAD_METHODS = ("int8", "fp8")
+METHODS = tuple(dict.fromkeys(ON_LOAD_METHODS + CHECKPOINT_METHODS))
+# How `worker/sizing` counts a method's weights when only its name is known: the QuantizedWeight
+# scheme it most often loads into (compressed-tensors: its W4A16 pack-quantized form, the hub's
+# most common; its int8 / fp8 forms store 8 bits a weight, so this undercounts those by ~2x).
+SIZING_SCHEMES = {"int8": "int8", "fp8": "fp8", "awq": "w4a16", "gptq": "w4a16", "compressed-tensors": "w4a16"}
+assert set(SIZING_SCHEMES) == set(METHODS)
 
 
 @dataclass(frozen=True)
