@@ -8,14 +8,16 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from jaxserve.quantization.formats import METHODS as _QUANTIZATION_METHODS
-
 PreemptionMode = Literal["recompute", "swap"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "xla": the XLA attention path (the CPU serving path); "pallas": the Pallas kernels (GPU).
 # "reference" is the old name of "xla", still accepted.
 AttentionBackend = Literal["auto", "xla", "pallas", "reference"]
-Quantization = Literal[_QUANTIZATION_METHODS]  # owned by jaxserve/quantization/formats.py
+# The one list of --quantization methods (vLLM's names); jaxserve/quantization/formats.py, the CLI's
+# choices, EngineArgs, the loader's checks, worker/sizing and `jaxserve plan` all read it.
+QUANTIZATION_CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")  # read from config.json
+QUANTIZATION_ON_LOAD_METHODS = ("int8", "fp8")  # applied to a float checkpoint at load
+Quantization = Literal[tuple(dict.fromkeys(QUANTIZATION_ON_LOAD_METHODS + QUANTIZATION_CHECKPOINT_METHODS))]
 KvCacheDtype = Literal["auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 BlockSize = Literal[8, 16, 32, 64, 128]
 

@@ -1,5 +1,6 @@
-"""The list of --quantization methods has one owner (jaxserve/quantization/formats.py): the CLI's
-choices, EngineArgs, `jaxserve plan` and worker/sizing all take every method in it."""
+"""The list of --quantization methods has one owner (jaxserve/constants.py, read by
+jaxserve/quantization/formats.py): the CLI's choices, EngineArgs, `jaxserve plan` and worker/sizing
+all take every method in it."""
 
 from __future__ import annotations
 
@@ -45,6 +46,6 @@ def test_unknown_method_is_refused_by_name():
 
 
 def test_the_list_loads_without_jax():
-    code = ("import sys; import jaxserve.quantization.formats, jaxserve.constants; "
+    code = ("import sys; import jaxserve.constants; "
             "sys.exit(1 if any(m == 'jax' or m.startswith('jax.') for m in sys.modules) else 0)")
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

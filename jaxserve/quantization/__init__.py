@@ -9,17 +9,7 @@
     sharding.py    tensor parallelism: each field's PartitionSpec (scales shard with their weights)
 """
 
-from __future__ import annotations
-
-import importlib
-
-# Imported on first use, so `jaxserve.quantization.formats` (the list of methods) loads without JAX.
-_LAZY = {"matmul": "matmul", "QuantizedWeight": "qweight", "dequantize": "qweight", "is_quantized": "qweight"}
+from jaxserve.quantization.matmul import matmul
+from jaxserve.quantization.qweight import QuantizedWeight, dequantize, is_quantized
 
 __all__ = ["QuantizedWeight", "dequantize", "is_quantized", "matmul"]
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"jaxserve.quantization.{_LAZY[name]}"), name)
-    raise AttributeError(f"module 'jaxserve.quantization' has no attribute {name!r}")

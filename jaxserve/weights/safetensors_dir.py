@@ -66,7 +66,8 @@ def _read_fp8(path: Path, name: str) -> np.ndarray:
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         entry = json.loads(fh.read(size))[name]
-    dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(entry["dtype"])
+    dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+             "F8_E8M0": ml_dtypes.float8_e8m0fnu}.get(entry["dtype"])  # E8M0: ue8m0 fp8 block scales
     if dtype is None:
         raise ValueError(f"{path}: cannot read tensor {name!r} of dtype {entry['dtype']}")
     start, end = entry["data_offsets"]
