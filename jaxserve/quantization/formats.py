@@ -7,6 +7,8 @@
     compressed-tensors    llm-compressor: pack-quantized (W4A16: weight_packed, weight_scale,
                           weight_zero_point), int-quantized (W8A8 int8), float-quantized (FP8, dynamic or
                           static input_scale)
+    mxfp4                 gpt-oss: MoE experts *_blocks u8 [E, N, K/32, 16] (e2m1 pairs), *_scales u8 [E, N, K/32]
+                          (e8m0); the rest float (quantization/mxfp4.py)
     fp8                   vLLM's fp8 checkpoints: weight e4m3 [out, in], weight_scale, input_scale (static);
                           block-wise (weight_block_size [128, 128]): weight e4m3 [out, in], weight_scale_inv
                           f32 [out / 128, in / 128] (Qwen3-*-FP8, DeepSeek-V3; transformers' FineGrainedFP8)
@@ -30,7 +32,9 @@ METHODS = QUANTIZATIONS
 # How `worker/sizing` counts a method's weights when only its name is known: the QuantizedWeight
 # scheme it most often loads into (compressed-tensors: its W4A16 pack-quantized form, the hub's
 # most common; its int8 / fp8 forms store 8 bits a weight, so this undercounts those by ~2x).
-SIZING_SCHEMES = {"int8": "int8", "fp8": "fp8", "awq": "w4a16", "gptq": "w4a16", "compressed-tensors": "w4a16"}
+BLOCK_MXFP4 = 32  # elements per e8m0 scale
+SIZING_SCHEMES = {"int8": "int8", "fp8": "fp8", "awq": "w4a16", "gptq": "w4a16", "compressed-tensors": "w4a16",
+                  "mxfp4": "mxfp4"}
 assert set(SIZING_SCHEMES) == set(METHODS)
 
 
@@ -68,7 +72,8 @@ def detect(hf_config: dict, requested: str | None) -> QuantSpec | None:
     if requested is not None and requested != method:
         raise ValueError(f"quantization: {requested!r} was asked for but the checkpoint is quantized with "
                          f"{method!r} (config.json quantization_config)")
-    return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}[method](qc)
+    return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8,
+            "mxfp4": _mxfp4}[method](qc)
 
 
 def _awq(qc: dict) -> QuantSpec:
@@ -111,6 +116,12 @@ def _compressed_tensors(qc: dict) -> QuantSpec:
     raise ValueError(f"quantization_config: compressed-tensors format {fmt!r} with {kind}{bits} weights "
                      f"({strategy}) is not supported; supported: pack-quantized W4A16/W8A16, "
                      "int-quantized W8A8 int8, float-quantized FP8 (per channel or tensor)")
+
+
+def _mxfp4(qc: dict) -> QuantSpec:
+    """gpt-oss: MoE experts as *_blocks / *_scales (quantization/mxfp4.py); every other Linear is float
+    (its modules_to_not_convert), so the loader reads no Linear through hf_linear."""
+    return QuantSpec("mxfp4", "mxfp4", 4, BLOCK_MXFP4)
 
 
 def _fp8(qc: dict) -> QuantSpec:

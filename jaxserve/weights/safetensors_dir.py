@@ -111,5 +111,6 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
 
-    linear = None if quant is None else linear_reader(quant, get, dtype)
+    # mxfp4 (gpt-oss) quantizes MoE experts only: the Linears read here are float.
+    linear = None if quant is None or quant.scheme == "mxfp4" else linear_reader(quant, get, dtype)
     return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear)

@@ -57,6 +57,7 @@ STORAGE: dict[str, QuantScheme] = {
     "int8": QuantScheme(8, 0, 4, 0, lm_head=True),  # jaxserve's W8A8 (jaxserve/quantization): f32 per-channel scale
     "fp8": QuantScheme(8, 0, 4, 0, lm_head=False),  # e4m3 per output channel, as vLLM's fp8
     "w4a16": QuantScheme(4, 128, 2, 4, lm_head=False),  # AWQ / GPTQ / compressed-tensors 4-bit, group 128
+    "mxfp4": QuantScheme(4, 32, 1, 0, lm_head=False),  # gpt-oss experts: e2m1, an e8m0 scale per 32
 }
 # Every --quantization method (formats.METHODS, the one list), sized as the scheme it loads into.
 QUANT_SCHEMES: dict[str, QuantScheme] = {m: STORAGE[formats.SIZING_SCHEMES[m]] for m in formats.METHODS}
