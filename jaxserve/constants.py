@@ -13,7 +13,11 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # "xla": the XLA attention path (the CPU serving path); "pallas": the Pallas kernels (GPU).
 # "reference" is the old name of "xla", still accepted.
 AttentionBackend = Literal["auto", "xla", "pallas", "reference"]
-Quantization = Literal["int8", "fp8", "awq", "gptq", "compressed-tensors"]  # jaxserve.quantization
+# The one list of --quantization methods (vLLM's names); jaxserve/quantization/formats.py, the CLI's
+# choices, EngineArgs, the loader's checks, worker/sizing and `jaxserve plan` all read it.
+QUANTIZATION_CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")  # read from config.json
+QUANTIZATION_ON_LOAD_METHODS = ("int8", "fp8")  # applied to a float checkpoint at load
+Quantization = Literal[tuple(dict.fromkeys(QUANTIZATION_ON_LOAD_METHODS + QUANTIZATION_CHECKPOINT_METHODS))]
 KvCacheDtype = Literal["auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 BlockSize = Literal[8, 16, 32, 64, 128]
 

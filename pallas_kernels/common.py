@@ -117,6 +117,15 @@ def check_options(
         raise ValueError(f"soft_cap must be > 0 or None; got {soft_cap}")
 
 
+def check_sinks(sinks: jax.Array | None, num_q_heads: int) -> None:
+    """Attention sinks: None, or one float logit per query head."""
+    if sinks is None:
+        return
+    if tuple(sinks.shape) != (num_q_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must be a float array of shape [num_q_heads={num_q_heads}]; "
+                         f"got shape {tuple(sinks.shape)} dtype {sinks.dtype}")
+
+
 def cap_logits(s: jax.Array, soft_cap: float | None) -> jax.Array:
     """Gemma-2 style logit soft cap, applied after sm_scale and before masking."""
     if soft_cap is None:

@@ -23,12 +23,13 @@ from pallas_kernels.common import (
     check_int_array,
     check_options,
     check_query,
+    check_sinks,
     next_power_of_2,
     shape_class,
     triton_params,
 )
 from pallas_kernels.ragged_paged_attention import flash_block
-from pallas_kernels.reference_core import attend_reference
+from pallas_kernels.reference_core import attend_reference, fold_sinks
 
 _STATIC = ("sm_scale", "sliding_window", "soft_cap")
 
@@ -45,9 +46,10 @@ TUNING: dict[int, dict[str, int]] = {
 
 
 def _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap, *, bits_ok: bool = False) -> None:
+           sm_scale, sliding_window, soft_cap, sinks, *, bits_ok: bool = False) -> None:
     num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
-    num_seqs, _ = check_query(q, num_kv_heads, head_dim)
+    num_seqs, num_q_heads = check_query(q, num_kv_heads, head_dim)
+    check_sinks(sinks, num_q_heads)
     check_int_array("kv_lens", kv_lens, (num_seqs,))
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -70,15 +72,16 @@ def paged_attention_decode_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
 ) -> jax.Array:  # [S, Hq, D]
     """Pure-jnp decode attention: the query of row s sits at position kv_lens[s] - 1."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap, bits_ok=True)
+           sm_scale, sliding_window, soft_cap, sinks, bits_ok=True)
     q_pos = kv_lens.astype(jnp.int32) - 1  # [S]; -1 (sees nothing) when kv_len == 0
     seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     return attend_reference(
         q, k_cache, v_cache, block_tables.astype(jnp.int32), q_pos, seq_ids, q_pos, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+        sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks,
     )
 
 
@@ -131,7 +134,7 @@ def _decode_kernel(
     l_ref[...] = l
 
 
-def _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer,
+def _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks,
                    *, sm_scale, sliding_window, soft_cap, interpret):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-4]
@@ -170,8 +173,12 @@ def _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer,
     # Merge the splits: weights exp(m_k - max m), empty splits (l == 0) drop out.
     m_all = jnp.max(m, axis=2, keepdims=True)
     w = jnp.where(l > 0, jnp.exp(m - m_all), 0.0)  # [S, Hkv, K, G']
-    l_all = jnp.sum(l * w, axis=2)
-    out = jnp.sum(acc * w[..., None], axis=2) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    l_all = jnp.sum(l * w, axis=2)  # [S, Hkv, G']
+    acc_all = jnp.sum(acc * w[..., None], axis=2)  # [S, Hkv, G', D]
+    if sinks is not None:  # the sink is one more logit in the merged softmax
+        sink_rows = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group), ((0, 0), (0, group_p - group)))
+        _, l_all, acc_all = fold_sinks(m_all[:, :, 0], l_all, acc_all, sink_rows)
+    out = acc_all / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     return out[:, :, :group].reshape(q.shape).astype(q.dtype)
 
 
@@ -187,17 +194,18 @@ def paged_attention_decode(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
     interpret: bool = False,
 ) -> jax.Array:  # [S, Hq, D]
     """Pallas (Triton) split-K decode attention; same semantics as the reference."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap)
+           sm_scale, sliding_window, soft_cap, sinks)
     head_dim, block_size = q.shape[-1], k_cache.shape[-2]
     if head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(
             f"the Pallas kernel needs power-of-two head_dim and block_size; got "
             f"{head_dim}, {block_size} (use paged_attention_decode_reference)"
         )
-    return _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer,
+    return _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks,
                           sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, interpret=interpret)

@@ -26,13 +26,14 @@ from pallas_kernels.common import (
     check_int_array,
     check_options,
     check_query,
+    check_sinks,
     next_power_of_2,
     num_seqs_scalar,
     shape_class,
     token_positions,
     triton_params,
 )
-from pallas_kernels.reference_core import attend_reference
+from pallas_kernels.reference_core import attend_reference, fold_sinks
 
 _STATIC = ("sm_scale", "sliding_window", "soft_cap")
 
@@ -98,8 +99,7 @@ def _ragged_kernel(
     q_ref,  # [Hkv, (T + BQ) * G', D]
     k_ref,  # [(L,) Hkv, NB, BS, D]
     v_ref,  # [(L,) Hkv, NB, BS, D]
-    o_ref,  # [Hkv, (T + BQ) * G', D]
-    *,
+    *refs,  # (sinks_ref f32[Hkv, M]: row r's sink, o_ref) with sinks, else (o_ref,)
     block_q: int,
     group: int,
     sm_scale: float,
@@ -107,6 +107,7 @@ def _ragged_kernel(
     soft_cap: float | None,
     stacked: bool,
 ):
+    o_ref = refs[-1]  # [Hkv, (T + BQ) * G', D]
     p, h = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
     rows = block_q * group
@@ -135,7 +136,9 @@ def _ragged_kernel(
 
     init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, head_dim), jnp.float32))
-    _, l, acc = lax.fori_loop(lo, hi, body, init)
+    m, l, acc = lax.fori_loop(lo, hi, body, init)
+    if len(refs) == 2:  # attention sinks: one more logit per row, with no value
+        _, l, acc = fold_sinks(m, l, acc, refs[0][h, :])
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
     live = jnp.broadcast_to((token < end)[:, None], (rows, head_dim))
     out_slot = o_ref.at[h, pl.ds(start * group, rows), :]
@@ -161,7 +164,7 @@ def _tiles(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int):
     return seq.astype(jnp.int32), start, end, posoff
 
 
-def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, layer,
+def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, layer, sinks,
                    *, sm_scale, sliding_window, soft_cap, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-4]
@@ -177,18 +180,22 @@ def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
     q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
     layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
     whole = pl.BlockSpec()
+    extra = []
+    if sinks is not None:  # [Hq] -> [Hkv, M]: the sink of each (token, padded group) row of a tile
+        sink_rows = jnp.pad(sinks.astype(jnp.float32).reshape(num_kv_heads, group), ((0, 0), (0, group_p - group)))
+        extra = [jnp.tile(sink_rows, (1, block_q))]
     out = pl.pallas_call(
         functools.partial(
             _ragged_kernel, block_q=block_q, group=group_p, sm_scale=sm_scale,
             sliding_window=sliding_window, soft_cap=soft_cap, stacked=k_cache.ndim == 5),
         grid=(tile_meta[0].shape[0], num_kv_heads),
-        in_specs=[whole] * 9,
+        in_specs=[whole] * (9 + len(extra)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(q_rows.shape, q.dtype),
         compiler_params=triton_params(tune["num_warps"], tune["num_stages"]),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(*tile_meta, layer_arr, block_tables.astype(jnp.int32), q_rows, k_cache, v_cache)
+    )(*tile_meta, layer_arr, block_tables.astype(jnp.int32), q_rows, k_cache, v_cache, *extra)
     out = out.reshape(num_kv_heads, num_tokens + block_q, group_p, head_dim)
     out = out[:, :num_tokens, :group].transpose(1, 0, 2, 3).reshape(q.shape)
     # Padding tokens are never stored by the kernel: give them zeros, not garbage.
@@ -198,9 +205,9 @@ def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
 
 
 def _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap, *, bits_ok: bool = False) -> None:
+           sm_scale, sliding_window, soft_cap, sinks, *, bits_ok: bool = False) -> None:
     num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
-    check_query(q, num_kv_heads, head_dim)
+    check_sinks(sinks, check_query(q, num_kv_heads, head_dim)[1])
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be 1-D [max_num_seqs]; got shape {kv_lens.shape}")
     max_num_seqs = kv_lens.shape[0]
@@ -229,10 +236,11 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
 ) -> jax.Array:  # [T, Hq, D]
     """Pure-jnp ragged paged attention (the CPU serving path); padding tokens get 0."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap, bits_ok=True)
+           sm_scale, sliding_window, soft_cap, sinks, bits_ok=True)
     n = num_seqs_scalar(num_seqs)
     seq_ids, q_pos = token_positions(cu_q_lens, kv_lens, n, q.shape[0])
     token_tables = block_tables.astype(jnp.int32)[seq_ids]  # [T, MB]
@@ -240,7 +248,7 @@ def ragged_paged_attention_reference(
     new_start = kv_lens.astype(jnp.int32)[seq_ids] - (cu[seq_ids + 1] - cu[seq_ids])
     return attend_reference(
         q, k_cache, v_cache, token_tables, q_pos, seq_ids, new_start, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+        sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks,
     )
 
 
@@ -258,11 +266,12 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Pallas (Triton) ragged paged attention; same semantics as the reference."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap)
+           sm_scale, sliding_window, soft_cap, sinks)
     head_dim, block_size = q.shape[-1], k_cache.shape[-2]
     if head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(
@@ -270,5 +279,5 @@ def ragged_paged_attention(
             f"{head_dim}, {block_size} (use ragged_paged_attention_reference)"
         )
     return _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                          layer, sm_scale=sm_scale, sliding_window=sliding_window,
+                          layer, sinks, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, interpret=interpret)

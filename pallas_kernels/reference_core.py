@@ -274,6 +274,17 @@ def _own_only(qh, k_new, v_new, valid, *, soft_cap):
     return m, l, jnp.broadcast_to(acc, qh.shape)
 
 
+def fold_sinks(m: jax.Array, l: jax.Array, acc: jax.Array, sinks: jax.Array):
+    """Adds one more logit per row, with a zero value, to a finished online softmax (m, l [...],
+    acc [..., D]; sinks broadcastable to m): gpt-oss's attention sinks, which transformers
+    concatenates to the scores as a last column and drops after the softmax. The sink enters
+    the max too, so exp never overflows; a row that saw nothing gets out = 0 (all weight on
+    the sink)."""
+    m_new = jnp.maximum(m, sinks)
+    alpha = jnp.exp(m - m_new)
+    return m_new, l * alpha + jnp.exp(sinks - m_new), acc * alpha[..., None]
+
+
 def attend_reference(
     q: jax.Array,  # [T, Hq, D]
     k_cache: jax.Array,  # [(L,) Hkv, NB, BS, D]
@@ -287,12 +298,14 @@ def attend_reference(
     sliding_window: int | None,
     soft_cap: float | None,
     layer: jax.Array | int | None,
+    sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
 ) -> jax.Array:  # [T, Hq, D] in q.dtype; padding tokens get zeros
     """Causal attention of each token over its sequence's paged context.
 
     A sequence's tokens of this step must be packed contiguously at consecutive
     positions ending at q_pos, starting at new_start, and already written to the
-    pool; keys before new_start are read from the pool only.
+    pool; keys before new_start are read from the pool only. With sinks, head h's
+    softmax denominator gains exp(sinks[h]) (a logit with no value: see fold_sinks).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, block_size, _ = k_cache.shape[-4:]
@@ -353,6 +366,8 @@ def attend_reference(
     alpha_a, alpha_b = jnp.exp(m_a - m), jnp.exp(m_b - m)
     l = l_a * alpha_a + l_b * alpha_b
     acc = acc_a * alpha_a[..., None] + acc_b * alpha_b[..., None]
+    if sinks is not None:
+        m, l, acc = fold_sinks(m, l, acc, sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.transpose(1, 0, 2, 3).reshape(padded, num_q_heads, head_dim)[:num_tokens].astype(q.dtype)
 

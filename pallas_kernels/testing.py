@@ -85,8 +85,12 @@ def numpy_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Float64 ragged paged attention, one query at a time; padding tokens are 0."""
+    """Float64 ragged paged attention, one query at a time; padding tokens are 0.
+
+    sinks [Hq]: transformers' GptOss eager attention: the sink is a last column of the
+    logits, the softmax runs over all columns, and the sink's column is dropped."""
     num_tokens, num_q_heads, head_dim = b.q.shape
     num_kv_heads, _, block_size, _ = b.k_cache.shape
     group = num_q_heads // num_kv_heads
@@ -109,8 +113,11 @@ def numpy_attention(
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
                 logits = np.where(ok, logits, -np.inf)
-                if not ok.any():
+                if sinks is not None:
+                    logits = np.concatenate([logits, [float(sinks[h])]])
+                if not np.isfinite(logits).any():
                     continue
                 w = np.exp(logits - logits.max())
-                out[start + i, h] = (w / w.sum()) @ v[h // group]
+                w = w / w.sum()
+                out[start + i, h] = w[:kv_len] @ v[h // group]
     return out

@@ -121,3 +121,30 @@ def fp8_linear(w: np.ndarray, static: bool) -> tuple[dict, np.ndarray]:
     if static:
         out["input_scale"] = torch.tensor(np.float32(0.05))
     return out, (q.float() * scale).numpy()
+
+
+def finegrained_fp8_checkpoint(float_dir: str, out_dir: str, block_size=(128, 128)) -> None:
+    """Block-wise FP8 (quant_method fp8, weight_block_size, weight_scale_inv) of a saved float model,
+    written by transformers itself: FineGrainedFP8Config quantizes on load and save_pretrained writes
+    the hub layout. Its quantizer refuses to run without a GPU ("A GPU or XPU is needed for FP8
+    quantization") although its quantization (integrations.finegrained_fp8.Fp8Quantize) is plain
+    torch; only that environment check is skipped here."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+
+    check = FineGrainedFP8HfQuantizer.validate_environment
+    FineGrainedFP8HfQuantizer.validate_environment = lambda self, *a, **k: None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            float_dir, quantization_config=FineGrainedFP8Config(weight_block_size=tuple(block_size)))
+        model.save_pretrained(out_dir)
+    finally:
+        FineGrainedFP8HfQuantizer.validate_environment = check
+
+
+def finegrained_fp8_reference(fp8_dir: str):
+    """transformers' own dequantized float32 model of a block-wise FP8 checkpoint."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+
+    return AutoModelForCausalLM.from_pretrained(
+        fp8_dir, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32).eval()

@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxserve import parallel
 from jaxserve.models.config import ModelConfig
-from jaxserve.quantization.qweight import pack_int, stack
+from jaxserve.quantization.qweight import FP8_MAX, fp8_block, pack_int, stack
 from jaxserve.quantization.quantize import LINEAR_LEAVES, quantize_weight
 from tests.paged_helpers import paged_logits
 from tests.parallel_worker import BASE, FAMILIES, random_params
@@ -32,14 +32,28 @@ def _w4(w: np.ndarray, rng) -> object:
     return jax.tree.map(jnp.asarray, stack(layers))
 
 
+def _fp8_block(w: np.ndarray, block: int = 16) -> object:
+    """[L, K, N] float -> block-wise fp8 as the hub stores it (HF [N, K] e4m3, scale_inv per block)."""
+    layers = []
+    for wl in w:
+        hf = wl.T  # [N, K]
+        n, k = hf.shape
+        amax = np.abs(hf.reshape(n // block, block, k // block, block)).max(axis=(1, 3))
+        scale_inv = (np.maximum(amax, 1e-12) / FP8_MAX).astype(np.float32)
+        q = np.asarray(jnp.asarray(hf / np.repeat(np.repeat(scale_inv, block, 0), block, 1)).astype(jnp.float8_e4m3fn))
+        layers.append(fp8_block(q, scale_inv, (block, block)))
+    return jax.tree.map(jnp.asarray, stack(layers))
+
+
 def main(tp: int) -> None:
     cfg = ModelConfig(**{**BASE, **FAMILIES["llama_gqa"]})
     host = random_params(cfg, seed=3)
     rng = np.random.default_rng(0)
     out = {}
-    for scheme in ("w4a16", "fp8"):
-        layers = {k: (_w4(np.asarray(v), rng) if scheme == "w4a16" else quantize_weight(jnp.asarray(v), "fp8"))
-                  if k in LINEAR_LEAVES else jnp.asarray(v) for k, v in host["layers"].items()}
+    make = {"w4a16": lambda v: _w4(np.asarray(v), rng), "fp8": lambda v: quantize_weight(jnp.asarray(v), "fp8"),
+            "fp8_block": lambda v: _fp8_block(np.asarray(v))}
+    for scheme in make:
+        layers = {k: make[scheme](v) if k in LINEAR_LEAVES else jnp.asarray(v) for k, v in host["layers"].items()}
         params = {**jax.tree.map(jnp.asarray, host), "layers": layers}
         want = paged_logits(params, cfg, PROMPTS, CONTINUATIONS)
         mesh = parallel.make_mesh(tp, 1)

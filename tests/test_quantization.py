@@ -161,11 +161,13 @@ def test_quantized_weights_shard_with_their_scales_under_tensor_parallelism() ->
         assert r["rel"] < 1e-5, (scheme, r)  # the same logits as on one device
         assert r["split"] == ["column", "row"], (scheme, r)  # shard_params tells each weight its split
         # column-parallel wq: values and scales split on N; row-parallel wo: values split on K
-        assert r["wq_values"][-1] == r["wq_full"][-1] // 2 and r["wq_scales"][-1] == r["wq_values"][-1]
+        blocks = 16 if scheme == "fp8_block" else 1  # block-wise fp8: a scale per 16 x 16 block
+        assert r["wq_values"][-1] == r["wq_full"][-1] // 2 and r["wq_scales"][-1] == r["wq_values"][-1] // blocks
         assert r["wo_values"][1] == r["wo_full"][1] // 2
         assert "layers/wq/values" in r["summary"] and "layers/wq/scales" in r["summary"]  # the start-up table
     assert out["w4a16"]["wo_scales"][1] == out["w4a16"]["wo_scales_full"][1] // 2  # whole groups per device
     assert out["fp8"]["wo_scales"] == out["fp8"]["wo_scales_full"]  # per channel: whole on each device
+    assert out["fp8_block"]["wo_scales"][1] == out["fp8_block"]["wo_scales_full"][1] // 2  # whole blocks per device
     # The W4A16 kernel (K 1024, N 2048, group 128) on each device's shard: exact in interpret mode,
     # and lowered for cuda with shard-sized operands (the whole packed weight is u8[512, 2048]).
     col, row = kernel["column"], kernel["row"]

@@ -187,8 +187,12 @@ def test_engine_serves_a_quantized_checkpoint_without_recompiling(checkpoints, c
     from jaxserve import LLM, SamplingParams
 
     path, ref = checkpoints("llama", case)
+    # compressed-tensors named explicitly (as `--quantization compressed-tensors`): it used to raise
+    # KeyError in worker/sizing.py while auto-detection loaded the same checkpoint.
+    method = "compressed-tensors" if case.startswith("ct_") else None
     llm = LLM(str(path), dtype="float32", max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32,
-              kv_cache_dtype="auto", block_size=16, progress=False)  # float32 KV: held to the library's greedy ids
+              kv_cache_dtype="auto", block_size=16, quantization=method,
+              progress=False)  # float32 KV: held to the library's greedy ids
     engine = llm.llm_engine
     assert "MiB per device" in engine.startup_report() and CASES[case][0]["quant_method"] in engine.startup_report()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],

@@ -47,11 +47,16 @@ def write_kv(backend: str, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array,
 
 
 def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
-           layer: jax.Array, *, sm_scale: float, sliding_window: int | None) -> jax.Array:
-    """q: [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim], causal over each sequence's paged context."""
+           layer: jax.Array, *, sm_scale: float, sliding_window: int | None,
+           sinks: jax.Array | None = None) -> jax.Array:
+    """q: [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim], causal over each sequence's paged context.
+
+    sinks: f32[num_q_heads], this layer's attention sinks (gpt-oss: a learned logit per head in the
+    softmax denominator), or None (no sinks: the same programs as without the argument)."""
+    extra = {} if sinks is None else dict(sinks=sinks)
     if backend in PALLAS_BACKENDS:
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer,
-                  interpret=backend == PALLAS_INTERPRET)
+                  interpret=backend == PALLAS_INTERPRET, **extra)
         if md.decode_only:
             kv_lens, tables = _decode_rows(md, q.shape[0])
             return pallas_kernels.paged_attention_decode(q, k_cache, v_cache, kv_lens, tables, **kw)
@@ -59,7 +64,7 @@ def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, m
                                                      md.cu_q_lens, md.num_seqs, **kw)
     return pallas_kernels.ragged_paged_attention_reference(
         q, k_cache, v_cache, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, layer=layer)
+        sm_scale=sm_scale, sliding_window=sliding_window, layer=layer, **extra)
 
 
 def _decode_rows(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:

@@ -7,7 +7,11 @@
     compressed-tensors    llm-compressor: pack-quantized (W4A16: weight_packed, weight_scale,
                           weight_zero_point), int-quantized (W8A8 int8), float-quantized (FP8, dynamic or
                           static input_scale)
-    fp8                   vLLM's fp8 checkpoints: weight e4m3 [out, in], weight_scale, input_scale (static)
+    mxfp4                 gpt-oss: MoE experts *_blocks u8 [E, N, K/32, 16] (e2m1 pairs), *_scales u8 [E, N, K/32]
+                          (e8m0); the rest float (quantization/mxfp4.py)
+    fp8                   vLLM's fp8 checkpoints: weight e4m3 [out, in], weight_scale, input_scale (static);
+                          block-wise (weight_block_size [128, 128]): weight e4m3 [out, in], weight_scale_inv
+                          f32 [out / 128, in / 128] (Qwen3-*-FP8, DeepSeek-V3; transformers' FineGrainedFP8)
 
 `--quantization` (EngineArgs.quantization) forces or checks the method: given with a
 quantized checkpoint it must name the checkpoint's method; given with a float
@@ -18,8 +22,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8")
-ON_LOAD_METHODS = ("int8", "fp8")
+from jaxserve.constants import QUANTIZATION_CHECKPOINT_METHODS, QUANTIZATION_ON_LOAD_METHODS, QUANTIZATIONS
+
+# The list of `--quantization` methods is defined once, with the other flags' names, in
+# jaxserve/constants.py (no JAX there: the CLI reads it); every place here and in sizing reads these.
+CHECKPOINT_METHODS = QUANTIZATION_CHECKPOINT_METHODS
+ON_LOAD_METHODS = QUANTIZATION_ON_LOAD_METHODS
+METHODS = QUANTIZATIONS
+# How `worker/sizing` counts a method's weights when only its name is known: the QuantizedWeight
+# scheme it most often loads into (compressed-tensors: its W4A16 pack-quantized form, the hub's
+# most common; its int8 / fp8 forms store 8 bits a weight, so this undercounts those by ~2x).
+BLOCK_MXFP4 = 32  # elements per e8m0 scale
+SIZING_SCHEMES = {"int8": "int8", "fp8": "fp8", "awq": "w4a16", "gptq": "w4a16", "compressed-tensors": "w4a16",
+                  "mxfp4": "mxfp4"}
+assert set(SIZING_SCHEMES) == set(METHODS)
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,7 @@ class QuantSpec:
     zeros_offset: int = 0  # GPTQ v1 stores zero - 1
     static_input: bool = False  # fp8 / int8: a checkpoint input_scale instead of per-token scales
     ct_format: str = ""  # compressed-tensors: pack-quantized, int-quantized, float-quantized
+    block_size: tuple[int, int] | None = None  # block-wise fp8: (out, in) elements per weight_scale_inv
 
 
 def _unsupported(method: object) -> ValueError:
@@ -55,7 +72,8 @@ def detect(hf_config: dict, requested: str | None) -> QuantSpec | None:
     if requested is not None and requested != method:
         raise ValueError(f"quantization: {requested!r} was asked for but the checkpoint is quantized with "
                          f"{method!r} (config.json quantization_config)")
-    return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}[method](qc)
+    return {"awq": _awq, "gptq": _gptq, "compressed-tensors": _compressed_tensors, "fp8": _fp8,
+            "mxfp4": _mxfp4}[method](qc)
 
 
 def _awq(qc: dict) -> QuantSpec:
@@ -100,8 +118,20 @@ def _compressed_tensors(qc: dict) -> QuantSpec:
                      "int-quantized W8A8 int8, float-quantized FP8 (per channel or tensor)")
 
 
+def _mxfp4(qc: dict) -> QuantSpec:
+    """gpt-oss: MoE experts as *_blocks / *_scales (quantization/mxfp4.py); every other Linear is float
+    (its modules_to_not_convert), so the loader reads no Linear through hf_linear."""
+    return QuantSpec("mxfp4", "mxfp4", 4, BLOCK_MXFP4)
+
+
 def _fp8(qc: dict) -> QuantSpec:
-    if qc.get("weight_block_size"):
-        raise ValueError("quantization_config.weight_block_size: block-wise fp8 is not supported "
-                         "(per-tensor and per-channel fp8 are)")
+    block = qc.get("weight_block_size")
+    if block:
+        if (not isinstance(block, (list, tuple)) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ValueError(f"quantization_config.weight_block_size: must be two positive ints [out, in], got {block!r}")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError("quantization_config.activation_scheme: block-wise fp8 supports 'dynamic' only, got "
+                             f"{qc.get('activation_scheme')!r}")
+        return QuantSpec("fp8", "fp8_block", 8, block_size=(block[0], block[1]))
     return QuantSpec("fp8", "fp8", 8, static_input=qc.get("activation_scheme", "dynamic") == "static")

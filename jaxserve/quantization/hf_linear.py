@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.quantization.formats import QuantSpec
-from jaxserve.quantization.qweight import QuantizedWeight, pack_int
+from jaxserve.quantization.qweight import QuantizedWeight, fp8_block, pack_int
 
 TensorGetter = Callable[[str], np.ndarray]  # raises KeyError when absent
 LinearReader = Callable[[str, tuple[int, int]], QuantizedWeight]  # (prefix, (K, N)) -> host weight
@@ -93,6 +93,11 @@ def _w8a8(spec: QuantSpec, get: TensorGetter, prefix: str, k: int, n: int, dtype
                            None if input_scale is None else np.float32(input_scale), spec.scheme)
 
 
+def _fp8_block(spec: QuantSpec, get: TensorGetter, prefix: str, k: int, n: int, dtype) -> QuantizedWeight:
+    return fp8_block(np.asarray(get(f"{prefix}.weight")), np.asarray(get(f"{prefix}.weight_scale_inv"), np.float32),
+                     spec.block_size)
+
+
 def linear_reader(spec: QuantSpec, get: TensorGetter, dtype: jnp.dtype) -> LinearReader:
     """A reader for `spec`'s checkpoint: (tensor prefix, (K, N)) -> host QuantizedWeight."""
     if spec.method == "gptq":
@@ -101,6 +106,8 @@ def linear_reader(spec: QuantSpec, get: TensorGetter, dtype: jnp.dtype) -> Linea
         read = _awq
     elif spec.ct_format == "pack-quantized":
         read = _ct_packed
+    elif spec.scheme == "fp8_block":
+        read = _fp8_block
     else:
         read = _w8a8
 

@@ -12,6 +12,10 @@ The path is picked here, never in the model (DESIGN.md rule 9):
     fp8   (W8A8)           x scaled to float8_e4m3fn (per token, or the checkpoint's static
                            per-tensor scale), an f8 x f8 dot in XLA with float32 accumulation
                            (cuBLASLt's fp8 GEMM on Hopper), rescaled by both scales
+    fp8_block              block-wise FP8 weights (weight only): the e4m3 values times their block
+                           scales, dequantized to x's dtype inside the program, then a float dot
+                           (XLA fuses the convert and scale into the dot's operand on CPU; on GPU
+                           the same XLA path for now)
     w4a16 / w8a16          GPU and M <= DECODE_MAX_ROWS: the Pallas (Triton) dequantizing
                            kernel `pallas_kernels.w4a16_matmul` (4-bit; under tensor
                            parallelism on each device's shard, `w4a16_kernel`); otherwise
@@ -51,6 +55,8 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed, dots: jnp.dt
         return _int8(x, w) if dots is None else _int8_weights(x, w, dots)
     if w.scheme == "fp8":
         return _fp8(x, w)
+    if w.scheme == "fp8_block":
+        return x @ dequantize(w, x.dtype)
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
     rows = x.size // x.shape[-1]

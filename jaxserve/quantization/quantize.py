@@ -31,9 +31,10 @@ import qwix
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization.calibrate import activation_absmax
+from jaxserve.quantization.formats import ON_LOAD_METHODS
 from jaxserve.quantization.qweight import QuantizedWeight
 
-ON_LOAD_METHODS = ("int8", "fp8")
+__all__ = ["ON_LOAD_METHODS", "calibration_ids", "quantize_params"]
 LINEAR_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 FUSED_LEAVES = ("wqkv", "w_gate_up", "wo", "w_down")
 

@@ -7,10 +7,16 @@ whole, gone inside the layer scan) is one `QuantizedWeight`:
     scheme  values                    scales      zeros        perm     input_scale
     int8    int8 [..., K, N]          f32 [..., 1, N]   -       -        -      (W8A8, per-token int8 x)
     fp8     float8_e4m3fn [..., K, N] f32 [..., 1, N]   -       -        f32 [...] or None (static / dynamic x)
+    fp8_block float8_e4m3fn [..., K, N] f32 [..., cdiv(K, group_size), cdiv(N, block_cols)]  (weight only)
     w8a16   uint8 [..., K, N]         [..., G, N]  uint8 [..., G, N]  i32 [..., K] or None
     w4a16   uint8 [..., K // 2, N]    [..., G, N]  uint8 [..., G, N]  i32 [..., K] or None
 
-G = K // group_size groups along K. Integer weights are unsigned with a zero
+G = K // group_size groups along K.
+
+fp8_block is the hub's block-wise FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`,
+`weight_scale_inv`: Qwen3-*-FP8, DeepSeek-V3): one float32 scale per [group_size, block_cols]
+block of the [K, N] weight, w[k, n] = values[k, n] * scales[k // group_size, n // block_cols].
+The fp8 values stay in device memory; the matmul applies the block scales (matmul.py). Integer weights are unsigned with a zero
 point (a symmetric checkpoint's signed values get zero 2^(bits-1)):
 w[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n].
 
@@ -32,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEMES = ("int8", "fp8", "w8a16", "w4a16")
+SCHEMES = ("int8", "fp8", "w8a16", "w4a16", "fp8_block")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -49,6 +55,7 @@ class QuantizedWeight:
     # Tensor parallelism: (mesh, axis name, "column" | "row") when the values are split over the mesh
     # axis on N or on K (parallel.shard_params sets it), so a kernel runs on each device's shard.
     split: tuple | None = field(default=None, metadata=dict(static=True))
+    block_cols: int = field(default=0, metadata=dict(static=True))  # fp8_block: columns per scale block
 
     @property
     def bits(self) -> int:
@@ -126,12 +133,35 @@ def dequantize(w: QuantizedWeight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """The float weight [..., K, N] it stands for, rows in perm order (x is gathered with perm)."""
     if w.scheme in ("int8", "fp8"):
         return (w.values.astype(jnp.float32) * w.scales.astype(jnp.float32)).astype(dtype)
+    if w.scheme == "fp8_block":
+        return (w.values.astype(jnp.float32) * block_scales(w)).astype(dtype)
     q = unpack_values(w)
     *lead, k, n = q.shape
     groups = q.reshape(*lead, k // w.group_size, w.group_size, n).astype(jnp.float32)
     zeros = w.zeros.astype(jnp.float32)[..., None, :]
     out = (groups - zeros) * w.scales.astype(jnp.float32)[..., None, :]
     return out.reshape(*lead, k, n).astype(dtype)
+
+
+def block_scales(w: QuantizedWeight) -> jax.Array:
+    """An fp8_block weight's scales broadcast to every element: f32 [..., K, N]."""
+    k, n = w.values.shape[-2:]
+    s = jnp.repeat(w.scales.astype(jnp.float32), w.group_size, axis=-2)[..., :k, :]
+    return jnp.repeat(s, w.block_cols, axis=-1)[..., :n]
+
+
+def fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, int]) -> QuantizedWeight:
+    """Host repack of one block-wise FP8 Linear as the hub stores it: weight e4m3 [N, K] (HF's
+    [out, in]), weight_scale_inv f32 [cdiv(N, block_size[0]), cdiv(K, block_size[1])]."""
+    n, k = weight.shape
+    bn, bk = block_size
+    want = (-(-n // bn), -(-k // bk))
+    if scale_inv.shape != want:
+        raise ValueError(f"weight_scale_inv is {scale_inv.shape}; a [{n}, {k}] weight in blocks {list(block_size)} "
+                         f"needs {want}")
+    values = np.ascontiguousarray(weight.T)  # [K, N]
+    scales = np.ascontiguousarray(np.asarray(scale_inv, np.float32).T)  # [cdiv(K, bk), cdiv(N, bn)]
+    return QuantizedWeight(values, scales, scheme="fp8_block", group_size=bk, block_cols=bn)
 
 
 def dense_weight(w: QuantizedWeight) -> np.ndarray:

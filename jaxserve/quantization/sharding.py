@@ -26,13 +26,16 @@ def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeig
     num_groups = w.scales.shape[-2]
     if dims[1] is not None and num_groups > 1 and num_groups % axis_size:  # groups would be cut
         dims = (None, None, None)
+    if w.scheme == "fp8_block" and dims[2] is not None and (w.values.shape[-1] // axis_size) % w.block_cols:
+        dims = (None, None, None)  # a column split would cut scale blocks
     values = P(*dims)
     if dims[1] is not None:  # row-parallel: per-channel scales are whole on every device
         scales = P(None, dims[1] if num_groups > 1 else None, None)
     else:
         scales = P(*dims)
     return QuantizedWeight(values, scales, None if w.zeros is None else scales, None if w.perm is None else P(),
-                           None if w.input_scale is None else P(), w.scheme, w.group_size)
+                           None if w.input_scale is None else P(), w.scheme, w.group_size,
+                           block_cols=w.block_cols)
 
 
 def expand_specs(specs: dict, params: dict, axis_size: int) -> dict:

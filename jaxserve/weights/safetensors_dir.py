@@ -66,7 +66,8 @@ def _read_fp8(path: Path, name: str) -> np.ndarray:
     with open(path, "rb") as fh:
         size = int.from_bytes(fh.read(8), "little")
         entry = json.loads(fh.read(size))[name]
-    dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}.get(entry["dtype"])
+    dtype = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+             "F8_E8M0": ml_dtypes.float8_e8m0fnu}.get(entry["dtype"])  # E8M0: ue8m0 fp8 block scales
     if dtype is None:
         raise ValueError(f"{path}: cannot read tensor {name!r} of dtype {entry['dtype']}")
     start, end = entry["data_offsets"]
@@ -110,5 +111,6 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
 
-    linear = None if quant is None else linear_reader(quant, get, dtype)
+    # mxfp4 (gpt-oss) quantizes MoE experts only: the Linears read here are float.
+    linear = None if quant is None or quant.scheme == "mxfp4" else linear_reader(quant, get, dtype)
     return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear)

@@ -27,6 +27,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
 from jaxserve.parallel.stages import stage_layer_ranges  # noqa: F401  (also read as sizing.stage_layer_ranges)
+from jaxserve.quantization import formats
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
 CHUNKED_PREFILL_TOKENS = 512  # a step's token budget with chunked prefill, unless the flag says otherwise
@@ -52,12 +53,15 @@ class QuantScheme:
         return rows * cols * self.bits // 8 + groups * cols * self.scale_bytes + groups * cols * self.zero_bits // 8
 
 
-QUANT_SCHEMES: dict[str, QuantScheme] = {
+# Storage of each QuantizedWeight scheme (jaxserve/quantization/qweight.py) a checkpoint loads into.
+STORAGE: dict[str, QuantScheme] = {
     "int8": QuantScheme(8, 0, 4, 0, lm_head=True),  # jaxserve's W8A8 (jaxserve/quantization): f32 per-channel scale
     "fp8": QuantScheme(8, 0, 4, 0, lm_head=False),  # e4m3 per output channel, as vLLM's fp8
-    "awq": QuantScheme(4, 128, 2, 4, lm_head=False),  # AutoAWQ GEMM: packed int4, fp16 scales, int4 zeros
-    "gptq": QuantScheme(4, 128, 2, 4, lm_head=False),  # AutoGPTQ 4-bit, group 128
+    "w4a16": QuantScheme(4, 128, 2, 4, lm_head=False),  # AWQ / GPTQ / compressed-tensors 4-bit, group 128
+    "mxfp4": QuantScheme(4, 32, 1, 0, lm_head=False),  # gpt-oss experts: e2m1, an e8m0 scale per 32
 }
+# Every --quantization method (formats.METHODS, the one list), sized as the scheme it loads into.
+QUANT_SCHEMES: dict[str, QuantScheme] = {m: STORAGE[formats.SIZING_SCHEMES[m]] for m in formats.METHODS}
 
 
 def dtype_bytes(name: str) -> int:
@@ -85,9 +89,9 @@ def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int =
     shapes = param_shapes(cfg)
     start, end = stage_layer_ranges(cfg.num_layers, pp)[stage]
     first, last = stage == 0, stage == pp - 1
-    scheme = QUANT_SCHEMES[quantization] if quantization else None
     if quantization and quantization not in QUANT_SCHEMES:
         raise ValueError(f"quantization: must be one of {tuple(QUANT_SCHEMES)} or None, got {quantization!r}")
+    scheme = QUANT_SCHEMES[quantization] if quantization else None
     total = 0
     for leaf, shape in shapes["layers"].items():
         spec = tuple(plan.specs["layers"][leaf])
