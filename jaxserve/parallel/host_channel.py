@@ -86,6 +86,8 @@ class StepCodec:
     def _node(self, x: object, arrays: list[np.ndarray]):
         if x is None or isinstance(x, (bool, str)):
             return x
+        if isinstance(x, np.bool_):  # (a static field must stay a hashable bool, not a 0-d array)
+            return bool(x)
         if isinstance(x, (int, np.integer)):
             return int(x)
         if isinstance(x, (float, np.floating)):
