@@ -204,9 +204,11 @@ def test_a_planted_pickle_in_the_store_is_refused_not_run(tmp_path):
 KILL_BOUND_S = 45  # heartbeat timeout 4 s + exit grace 5 s, with room for a loaded 2-core machine
 
 
-def test_a_killed_rank_is_noticed_and_rank_0_exits_within_a_bound(model_dir, tmp_path):
-    """Rank 1 is SIGKILLed while rank 0 serves: rank 0's step fails (the engine loop ends its requests
-    with errors) and rank 0 exits non-zero, within a bounded time, instead of hanging in a collective."""
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_killed_or_hung_rank_is_noticed_and_rank_0_exits_within_a_bound(fault, model_dir, tmp_path):
+    """Rank 1 is SIGKILLed (or SIGSTOPped: alive, silent) while rank 0 serves: rank 0's step fails (the
+    engine loop ends its requests with errors), or, stuck in a collective with the hung rank, rank 0's
+    watchdog misses its heartbeat and exits; non-zero and within a bound either way, never a hang."""
     port = free_port()
     outs = [tmp_path / f"rank{r}.json" for r in range(2)]
     logs = [tmp_path / f"rank{r}.log" for r in range(2)]
@@ -223,7 +225,7 @@ def test_a_killed_rank_is_noticed_and_rank_0_exits_within_a_bound(model_dir, tmp
                 assert p.poll() is None, f"rank {r} exited early:\n{_tail(logs[r])}"
             assert time.monotonic() < deadline, f"rank 0 never served:\n{_tail(logs[0])}"
             time.sleep(0.2)
-        procs[1].kill()
+        procs[1].send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         killed_at = time.time()
         rc = procs[0].wait(KILL_BOUND_S)
         exited_at = time.time()
