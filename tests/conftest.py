@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -21,34 +19,6 @@ PROMPTS = [
     "The quick brown fox",
     "In machine learning, a neural network is",
 ]
-
-
-# Every XLA:CPU executable maps its kernels' code and data into the process: about 130 memory maps
-# per program, 4,800 for one engine's warm-up, held by JAX's in-memory caches until they are
-# cleared. Past vm.max_map_count (65,530 by default) the next compilation segfaults, which a
-# single pytest process reached after about a dozen engines. So once a module is done (no engine
-# outlives its module) and the count is past a third of the limit, the caches are dropped; the
-# next module compiles again, or loads from the persistent cache.
-MAX_MAPS_KEPT = 20_000
-
-
-def _num_memory_maps() -> int:
-    try:
-        with open(f"/proc/{os.getpid()}/maps", "rb") as f:
-            return sum(1 for _ in f)
-    except OSError:  # not Linux
-        return 0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_compiled_programs():
-    yield
-    if _num_memory_maps() > MAX_MAPS_KEPT:
-        import jax
-
-        gc.collect()
-        jax.clear_caches()
-        gc.collect()
 
 
 @pytest.fixture(scope="session")
@@ -136,8 +106,8 @@ class Served:
 @pytest.fixture(scope="module")
 def served(jax_default_model) -> Iterator[Served]:
     """The default model behind the OpenAI app on a real uvicorn server; greedy references from the
-    offline API on the same engine first, so no second warm-up is paid. Module-scoped, as every
-    engine here, so no engine outlives its module (see `_release_compiled_programs`)."""
+    offline API on the same engine first, so no second warm-up is paid. Module-scoped: the engine
+    (its pool and compiled programs) is released when the module is done."""
     from jaxserve import LLM, SamplingParams, StructuredOutputsParams
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.api_server import build_app

@@ -71,7 +71,86 @@ def local_bytes(*trees) -> int:
     return sum(s.data.nbytes for t in trees for x in jax.tree.leaves(t) for s in x.addressable_shards)
 
 
+class Planted:
+    """What an attacker would plant in the store: unpickling it would create `path`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def planted(port: str, rank: str, out_path: str) -> None:
+    """No engine: rank 0 writes a pickle (which, unpickled, creates a file) where rank 1's next step
+    message goes, then a real typed stop message; rank 1 must refuse the first and not run it."""
+    import pickle
+    import zlib
+
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.worker import multihost
+
+    args = EngineArgs(num_hosts=2, host_rank=int(rank), coordinator=f"127.0.0.1:{port}")
+    multihost.initialize(args)
+    import jax
+
+    marker = out_path + ".pwned"
+    channel = multihost.StepChannel(timeout_s=60)
+    result: dict = {}
+    if multihost.is_leader():
+        payload = pickle.dumps(Planted(marker))
+        for data in (payload, zlib.compress(payload, 1)):  # raw, and framed like the old channel's messages
+            channel.client.key_value_set_bytes(channel._key(1), data)
+            channel.client.blocking_key_value_get(f"jaxserve/test/refused/{channel.seq}", 60_000)
+            channel.seq += 1
+        channel.send(None)
+    else:
+        errors = []
+        for _ in range(2):
+            try:
+                channel.recv()
+                errors.append(None)
+            except ValueError as e:  # (the message was taken off the store before it was decoded)
+                errors.append(str(e))
+            channel.client.key_value_set(f"jaxserve/test/refused/{channel.seq - 1}", "1")
+        result = dict(errors=errors, stop=channel.recv(), unpickled=os.path.exists(marker))
+    leader = multihost.is_leader()
+    multihost._stop_heartbeats()
+    jax.distributed.shutdown()
+    if not leader:  # (rank 1 reports)
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+
+
+KILLED_HEARTBEAT_S = 4.0  # the watchdog's timeout in the killed-rank run
+
+
+def drive_until_failure(engine, out_path: str) -> None:
+    """Rank 0 of the killed-rank run: serve requests without end (a file says when the steps flow)
+    until a step fails; write what failed and when, then exit 1 (or the watchdog's exit)."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    n = 0
+    try:
+        while True:
+            if not engine.has_unfinished_requests():
+                for p in PROMPTS:
+                    engine.add_request(f"r{n}", {"prompt_token_ids": p}, params)
+                    n += 1
+            engine.step()
+            if not os.path.exists(out_path + ".serving"):
+                open(out_path + ".serving", "w").close()
+    except Exception as e:  # the failure the engine loop would turn into errors for its requests
+        with open(out_path, "w") as f:
+            json.dump(dict(error=f"{type(e).__name__}: {e}", failed_at=time.time(),
+                           lost=engine.runner.lost), f)
+    os._exit(1)  # (jax.distributed.shutdown would wait for the dead rank)
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "planted":
+        return planted(*argv[1:4])
     mode, model_dir, out_path = argv[:3]
     pp = mode == "rank" and argv[-1] == "pp"
     from jaxserve.engine.args import EngineArgs
@@ -93,6 +172,9 @@ def main(argv: list[str]) -> None:
         multihost.initialize(args)
         import jax
 
+        if multihost.is_leader() and argv[-1] == "killed":
+            drive_until_failure(multihost.leader_engine(args, progress=False,
+                                                        heartbeat_timeout_s=KILLED_HEARTBEAT_S), out_path)
         if multihost.is_leader():
             engine = multihost.leader_engine(args, progress=False)
             try:

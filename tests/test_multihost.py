@@ -187,6 +187,62 @@ def test_jaxserve_serve_on_two_hosts(model_dir, reference, tmp_path):
                 p.wait(10)
 
 
+# ---- faults and hostile input --------------------------------------------------------------------
+
+def test_a_planted_pickle_in_the_store_is_refused_not_run(tmp_path):
+    """Anyone reaching the coordinator can write to its key-value store: a pickle put where a worker's
+    next step goes is refused with a ValueError and never unpickled (it would have created a file)."""
+    port, out = free_port(), tmp_path / "planted.json"
+    run_ranks([[sys.executable, "-m", "tests.multihost_worker", "planted", str(port), str(r), str(out)]
+               for r in range(2)], tmp_path)
+    result = json.loads(out.read_text())
+    assert result["unpickled"] is False and not Path(str(out) + ".pwned").exists()
+    assert all(e and "not a jaxserve typed step" in e for e in result["errors"]), result["errors"]
+    assert result["stop"] is None  # the real (typed) message after them still arrives
+
+
+KILL_BOUND_S = 45  # heartbeat timeout 4 s + exit grace 5 s, with room for a loaded 2-core machine
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_killed_or_hung_rank_is_noticed_and_rank_0_exits_within_a_bound(fault, model_dir, tmp_path):
+    """Rank 1 is SIGKILLed (or SIGSTOPped: alive, silent) while rank 0 serves: rank 0's step fails (the
+    engine loop ends its requests with errors), or, stuck in a collective with the hung rank, rank 0's
+    watchdog misses its heartbeat and exits; non-zero and within a bound either way, never a hang."""
+    port = free_port()
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
+    procs = []
+    for r in range(2):
+        with open(logs[r], "wb") as f:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tests.multihost_worker", "rank", str(model_dir), str(outs[r]), str(port),
+                 str(r), "killed"], cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not Path(str(outs[0]) + ".serving").exists():
+            for r, p in enumerate(procs):
+                assert p.poll() is None, f"rank {r} exited early:\n{_tail(logs[r])}"
+            assert time.monotonic() < deadline, f"rank 0 never served:\n{_tail(logs[0])}"
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        killed_at = time.time()
+        rc = procs[0].wait(KILL_BOUND_S)
+        exited_at = time.time()
+        assert rc != 0, _tail(logs[0])
+        assert exited_at - killed_at < KILL_BOUND_S
+        if outs[0].exists():  # the failed step's error (a collective's, or the watchdog's)
+            failed = json.loads(outs[0].read_text())
+            assert failed["error"] and failed["failed_at"] - killed_at < KILL_BOUND_S
+        else:  # stuck in a collective: the watchdog's exit
+            assert rc == 3 and "host rank 1 stopped responding" in _tail(logs[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
 # ---- in-process: the flags ----------------------------------------------------------------------
 
 def test_multihost_flags_are_validated():

@@ -147,9 +147,12 @@ class AsyncLLM:
         return self._stats
 
     def shutdown(self) -> None:
+        """Stop the engine thread, then release the engine (its pool, programs and weights)."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        if not self._thread.is_alive():  # (a thread stuck in a step still uses the engine)
+            self.engine.shutdown()
 
     # ---- engine thread ----------------------------------------------------------------------------
     def _post(self, msg: tuple) -> None:

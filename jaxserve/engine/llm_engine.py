@@ -70,6 +70,9 @@ class LLMEngine:
             # Pipeline stages get a sub-mesh each (parallel/pipeline.py) instead of one mesh.
             mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
+        # The caller's weights (a LoadedModel passed in may serve other engines too): never deleted
+        # here; whatever the engine made itself (loaded, sharded, quantized, staged) is, on shutdown.
+        self._borrowed = frozenset(id(x) for x in jax.tree.leaves(model.params)) if model is not None else frozenset()
         if model is None:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
@@ -125,6 +128,7 @@ class LLMEngine:
         # A test hook: called at the start of every step with the ids of the requests in the engine;
         # what it raises is a failed step (engine/exceptions.py says how AsyncLLM treats each kind).
         self.fault_hook: Callable[[list[str]], None] | None = None
+        self._closed = False  # from here on shutdown() has everything to release
 
     def _size_kv(self, config: EngineConfig, mesh: Mesh | None) -> EngineConfig:
         """`config` with its KV pools sized (worker/sizing.py's arithmetic, which `jaxserve plan` shares):
@@ -151,6 +155,46 @@ class LLMEngine:
                                     kv_cache_memory=args.kv_cache_memory)
         num_cpu = int(args.swap_space * (1 << 30)) // per_block if args.preemption_mode == "swap" else 0
         return config.with_blocks(num_gpu, num_cpu)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Release what the engine holds: unfinished requests are aborted, the KV pool, the weights it
+        made (not a LoadedModel's that the caller passed in) and its compiled programs are freed.
+        Idempotent; also run by `close()`, `with LLMEngine(...)` and when the engine is collected."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        if getattr(self, "outputs", None) is not None and self.outputs.groups:
+            self.abort_request(list(self.outputs.groups))
+        self._in_flight.clear()
+        owned = [x for x in jax.tree.leaves(self.model.params) if id(x) not in self._borrowed]
+        self.runner.shutdown()
+        for x in owned:
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        self.model = dataclasses.replace(self.model, params={})
+
+    close = shutdown
+
+    @property
+    def is_closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter shutdown: JAX may already be gone
+            pass
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this engine has been shut down; create a new one")
 
     # ---- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -204,6 +248,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        self._check_open()
         params = params or SamplingParams()
         if request_id in self.outputs.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
@@ -243,6 +288,7 @@ class LLMEngine:
         """One step; with async scheduling, step N+1 is scheduled and issued before step N's
         results are read, so the device never waits for the host's update and output work.
         With P pipeline stages, up to P steps are in flight, one per stage."""
+        self._check_open()
         if self.fault_hook is not None:
             self.fault_hook(list(self.outputs.groups))
         out = self.scheduler.schedule()

@@ -15,18 +15,22 @@ Start-up (loading, KV sizing, warm-up) is identical on every rank: each builds t
 same LLMEngine from the same flags (checked against rank 0's), so the warm-up programs
 line up without messages. A PreparedStep is plain numpy and ints; it travels through
 jax.distributed's own key-value store (the coordinator rank 0 already runs), one key
-per (receiver, step), deleted by the receiver, so nothing accumulates. It is a pickle:
-like torch.distributed, the hosts of one deployment trust each other.
+per (receiver, step), deleted by the receiver, so nothing accumulates. It is encoded as
+typed arrays (parallel/host_channel.py), never a pickle: a payload planted in the store
+is refused, not run. The coordinator binds to the --coordinator address only. Each worker
+beats in the store every second; rank 0 fails its steps and exits when one is silent for
+HEARTBEAT_TIMEOUT_S (killed, hung, or its host gone), and a worker whose coordinator is
+gone exits too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import inspect
 import os
-import pickle
+import threading
 import time
-import zlib
 from typing import Any
 
 import jax
@@ -35,10 +39,21 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.worker.model_runner import ModelRunner, PreparedStep
 from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
+from jaxserve.models.attention import AttentionMetadata
+from jaxserve.parallel.host_channel import Heartbeat, Pulse, StepCodec, Watchdog
+from jaxserve.sample.sampling_metadata import SamplingMetadata
+from jaxserve.worker.input_batch import StepInput
+from jaxserve.worker.model_runner import PromptLogprobChunk
 
 log = logging.getLogger(__name__)
 _PREFIX = "jaxserve"
 _POLL_MS = 1000  # a worker's wait for the next step is re-armed this often (the server may idle for hours)
+HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is lost: rank 0 fails its steps and exits
+EXIT_GRACE_S = 5.0  # after that, time for the failed step's errors to reach the clients before rank 0 exits
+EXIT_WORKER_LOST = 3  # rank 0's exit status when a worker was lost
+_heartbeats: list[Heartbeat] = []  # this process's (stopped when the run ends)
+# Everything a step message may hold (the decoder builds these types and no others).
+CODEC = StepCodec([PreparedStep, PromptLogprobChunk, StepInput, AttentionMetadata, SamplingMetadata])
 
 
 def is_enabled(args: EngineArgs) -> bool:
@@ -52,9 +67,15 @@ def initialize(args: EngineArgs) -> None:
     if jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # The coordinator listens on the address it was given, not JAX's default of every interface.
+    bind = {"coordinator_bind_address": args.coordinator} if args.coordinator and \
+        "coordinator_bind_address" in inspect.signature(jax.distributed.initialize).parameters else {}
     jax.distributed.initialize(coordinator_address=args.coordinator,
                                num_processes=args.num_hosts if args.num_hosts > 1 else None,
-                               process_id=args.host_rank)
+                               process_id=args.host_rank, **bind)
+    # Every rank beats from here on (through loading and warm-up too): rank 0 watches the workers'
+    # beats, the workers rank 0's. Stopped by stop_workers / follow's end.
+    _heartbeats.append(Heartbeat(_client(), jax.process_index()))
     log.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
              jax.process_count(), jax.local_device_count(), jax.device_count())
 
@@ -73,18 +94,19 @@ def _client():
 
 
 class StepChannel:
-    """Rank 0 -> every other rank: one pickled message per step through the key-value store."""
+    """Rank 0 -> every other rank: one typed message per step through the key-value store."""
 
     def __init__(self, timeout_s: float | None = None) -> None:
         self.client, self.rank, self.num_ranks = _client(), jax.process_index(), jax.process_count()
         self.timeout_s = timeout_s  # a worker's longest wait for one message; None: forever
+        self.leader = Pulse(self.client, 0)
         self.seq = 0
 
     def _key(self, rank: int) -> str:
         return f"{_PREFIX}/step/{rank}/{self.seq}"
 
     def send(self, msg: PreparedStep | None) -> None:
-        data = zlib.compress(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), 1)
+        data = CODEC.encode(msg)
         for rank in range(1, self.num_ranks):
             self.client.key_value_set_bytes(self._key(rank), data)
         self.seq += 1
@@ -99,20 +121,35 @@ class StepChannel:
                 waited = time.monotonic() - start
                 if "DEADLINE_EXCEEDED" not in str(e) or (self.timeout_s is not None and waited > self.timeout_s):
                     raise
+                # rank 0 killed or hung: its beat stops (or its coordinator is gone: this raises)
+                if (silent := self.leader.silent_s()) > HEARTBEAT_TIMEOUT_S:
+                    raise RuntimeError(f"host rank 0 stopped responding ({silent:.0f} s without a heartbeat)") from None
         self.client.key_value_delete(key)
         self.seq += 1
-        return pickle.loads(zlib.decompress(data))
+        return CODEC.decode(data)  # ValueError for anything but a typed step: never unpickled
 
 
 class LeaderRunner:
     """Rank 0's runner: prepares each step, sends it to the other ranks, then runs it itself.
     Steps with no device work (an idle engine) are not sent: the workers have nothing to match."""
 
-    def __init__(self, runner: ModelRunner, channel: StepChannel) -> None:
+    def __init__(self, runner: ModelRunner, channel: StepChannel,
+                 heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> None:
         self.runner, self.channel = runner, channel
         self.num_steps_sent = 0
+        self.lost: str | None = None  # why the run is over (a worker lost), once it is
+        self.watchdog = Watchdog(channel.client, range(1, channel.num_ranks), heartbeat_timeout_s, self._on_lost)
+
+    def _on_lost(self, rank: int, silent_s: float) -> None:
+        """A worker is gone: every later step fails (the engine loop ends its requests with errors); a
+        step stuck in a collective with it cannot return, so the process exits after a grace period."""
+        self.lost = f"host rank {rank} stopped responding ({silent_s:.0f} s without a heartbeat)"
+        log.error("%s; failing every request and exiting in %.0f s", self.lost, EXIT_GRACE_S)
+        threading.Timer(EXIT_GRACE_S, os._exit, (EXIT_WORKER_LOST,)).start()
 
     def execute(self, out: SchedulerOutput) -> ModelOutput:
+        if self.lost is not None:
+            raise RuntimeError(self.lost)
         prepared = self.runner.prepare(out)
         if not prepared.has_device_work:
             return ModelOutput()
@@ -121,10 +158,18 @@ class LeaderRunner:
         return self.runner.run(prepared)  # synchronous: async scheduling is off with num_hosts > 1
 
     def stop_workers(self) -> None:
-        self.channel.send(None)
+        self.watchdog.stop()
+        _stop_heartbeats()
+        if self.lost is None:
+            self.channel.send(None)
 
     def __getattr__(self, name: str) -> Any:  # kv, rc, warmup, ...: the wrapped runner's
         return getattr(self.runner, name)
+
+
+def _stop_heartbeats() -> None:
+    while _heartbeats:
+        _heartbeats.pop().stop()
 
 
 def _agree(tag: str, value: object) -> None:
@@ -157,13 +202,14 @@ def _build_engine(args: EngineArgs, progress: bool) -> LLMEngine:
     return engine
 
 
-def leader_engine(args: EngineArgs, progress: bool = True) -> LLMEngine:
+def leader_engine(args: EngineArgs, progress: bool = True,
+                  heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S) -> LLMEngine:
     """Rank 0: an LLMEngine whose steps are mirrored on every other rank. Call `stop_workers`
     when done, or the workers wait for the next step until their timeout."""
     if not is_leader():
         raise RuntimeError(f"leader_engine on host rank {jax.process_index()}; only rank 0 schedules")
     engine = _build_engine(args, progress)
-    engine.runner = LeaderRunner(engine.runner, StepChannel())
+    engine.runner = LeaderRunner(engine.runner, StepChannel(), heartbeat_timeout_s)
     return engine
 
 
@@ -188,6 +234,7 @@ def follow(engine: LLMEngine, timeout_s: float | None = None) -> int:
     while (prepared := channel.recv()) is not None:
         engine.runner.run(prepared)
         num_steps += 1
+    _stop_heartbeats()
     return num_steps
 
 

@@ -71,6 +71,19 @@ class LLM:
                              "runner='generate'")
         return self.llm_engine
 
+    # ---- lifecycle: `with LLM(...) as llm:`, `llm.shutdown()`, or drop it ---------------------------
+    def shutdown(self) -> None:
+        """Free the engine's KV pool, the weights it loaded and its compiled programs; idempotent."""
+        self.llm_engine.shutdown()
+
+    close = shutdown
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

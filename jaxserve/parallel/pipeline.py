@@ -39,11 +39,11 @@ from jaxserve.models import llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.sharding import ModelShardings, make_sharded_kv_cache
+from jaxserve.parallel.jit import fresh_jit
 from jaxserve.parallel.stages import stage_layer_ranges
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "first", "last"), donate_argnums=1)
-def _stage_step(params, kv, h, batch, rows, prev_tokens, *, cfg, backend, first, last):
+def _stage_step_fn(params, kv, h, batch, rows, prev_tokens, *, cfg, backend, first, last):
     """One stage: tokens (first) or the previous stage's h [T, hidden] through its layers; the last
     stage also returns the final-normed rows [P, hidden] and all positions [T, hidden].
     prev_tokens [P] i32: the previous step's sampled ids (async scheduling), as model_runner's step."""
@@ -79,6 +79,18 @@ class Pipeline:
     meshes: list[Mesh]
     params: list[dict]  # stage s's params, on meshes[s]
     backend: str = "xla"
+    # this pipeline's own stage program (worker/programs.py: an engine owns its executables)
+    stage_step: object = dataclasses.field(default_factory=lambda: fresh_jit(
+        _stage_step_fn, static_argnames=("cfg", "backend", "first", "last"), donate_argnums=1))
+
+    def release(self) -> None:
+        """Free the stages' params and the stage program's executables (the engine is closing)."""
+        for x in jax.tree.leaves(self.params):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        self.params = []
+        self.stage_step.clear_cache()
+        self.stage_step = None
 
     @property
     def stage_configs(self) -> list[ModelConfig]:
@@ -136,7 +148,7 @@ class Pipeline:
                 h = self.to_stage(h, s)
             else:  # the last sampled ids come from the sampler, on the last stage's devices
                 prev_tokens = self.to_stage(prev_tokens, s)
-            out = _stage_step(sp, (kv[2 * s], kv[2 * s + 1]), h, batch, rows, prev_tokens, cfg=cfg, backend=self.backend,
+            out = self.stage_step(sp, (kv[2 * s], kv[2 * s + 1]), h, batch, rows, prev_tokens, cfg=cfg, backend=self.backend,
                               first=s == 0, last=s == last)
             new_kv += out[0]
             h = out[1]

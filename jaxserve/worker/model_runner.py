@@ -29,8 +29,9 @@ from tqdm.auto import tqdm
 
 from jaxserve import parallel
 from jaxserve.worker.programs import (_copy_blocks, _fetch, _gather_blocks, _gather_rows, _model_step,  # noqa: F401
-                                      _prompt_logprobs_step, _rows_like, _sample_step, _scatter_blocks,
-                                      num_compilations)
+                                      _model_step_fn, _prompt_logprobs_step, _rows_like, _sample_step,
+                                      _scatter_blocks, StepPrograms, num_compilations)
+from jaxserve.parallel.jit import fresh_jit
 from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, step_grids, step_seq_buckets,
                                          step_token_buckets)
 from jaxserve.sample.sampler import SamplerOutput, vocab_slices
@@ -117,6 +118,8 @@ class ModelRunner:
         # sharded over `mesh` when there is one; with a `pipeline` (parallel/pipeline.py) its stages
         # hold the layers and the pool, and these are the last stage's params (the sampler's)
         self.params, self.pipeline = model.params, pipeline
+        self.programs = StepPrograms()  # this runner's own executables, freed by shutdown()
+        programs = self.programs
         dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
@@ -133,11 +136,12 @@ class ModelRunner:
         host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
                       self.cfg.head_dim)
         self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
-        self._copy_blocks = pipeline.per_stage(_copy_blocks) if pipeline is not None else _copy_blocks
+        self._copy_blocks = (pipeline.per_stage(programs.copy_blocks) if pipeline is not None
+                             else programs.copy_blocks)
         self._model_step = (pipeline.step if pipeline is not None else
-                            functools.partial(_model_step, cfg=self.cfg, backend=rc.backend,
+                            functools.partial(programs.model_step, cfg=self.cfg, backend=rc.backend,
                                               bf16_dots_from=rc.bf16_dots_from))
-        self._sample_step = functools.partial(_sample_step, num_rows=self.num_rows,
+        self._sample_step = functools.partial(programs.sample_step, num_rows=self.num_rows,
                                               vocab_slices=_head_slices(self.params, mesh, pipeline),
                                               head_dots=rc.bf16_dots_from > 0)
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
@@ -158,6 +162,7 @@ class ModelRunner:
     def warmup(self, progress: bool = True) -> int:
         """Compile every program serving can run; returns how many compilations that took."""
         before = num_compilations()
+        jp = self.programs
         variants = [(s, md) for s in self.seq_buckets
                     for md in SamplingMetadata.warmup_variants(s, self.rc.max_model_len, self.num_mask_words)]
         programs = [(t, False) for t in self.token_buckets[1:]] + [(t, True) for t in self.decode_buckets]
@@ -174,21 +179,21 @@ class ModelRunner:
             # replica's mesh, not the default device): compile every model program for that input.
             _, self._prev_tokens = self._sample_step(self.params, hidden, self._input(variants[0][1]))
             self.kv, hidden, full = self._model_step(self.params, self.kv, smallest, rows, self._prev_tokens)
-            _gather_rows(full, q_rows)
+            jp.gather_rows(full, q_rows)
             bar.update(1)
             for t, decode in programs:  # decode: a decode-only step's program (Pallas: the decode kernel)
                 if self.pipeline is not None:  # its stage programs compile by running the bucket
                     self.kv, _, _ = self._model_step(self.params, self.kv, self._empty_batch(t, decode), rows,
                                                      self._prev_tokens)
                 else:
-                    _model_step.lower(self.params, self.kv, self._empty_batch(t, decode), rows, self._prev_tokens,
+                    jp.model_step.lower(self.params, self.kv, self._empty_batch(t, decode), rows, self._prev_tokens,
                                       cfg=self.cfg, backend=self.rc.backend,
                                       bf16_dots_from=self.rc.bf16_dots_from).compile()
                 # Run on a program's output, as serving calls it: neither `.lower(ShapeDtypeStruct)
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
-                _gather_rows(_rows_like(full, t), q_rows)
+                jp.gather_rows(jp.rows_like(full, t), q_rows)
                 bar.update(1)
-            _fetch(self._publish(_prompt_logprobs_step(self.params, _gather_rows(full, q_rows), q_rows)))
+            _fetch(self._publish(jp.prompt_logprobs_step(self.params, jp.gather_rows(full, q_rows), q_rows)))
             for _, md in variants:
                 _fetch(self._publish(self._sample_step(self.params, hidden, self._input(md))[0]))
                 bar.update(1)
@@ -196,11 +201,26 @@ class ModelRunner:
             self.kv = self._copy_blocks(self.kv, np.zeros_like(pad), pad)
             bar.update(1)
             if self.host_kv is not None:
-                k, v = _fetch(_gather_blocks(self.kv, np.zeros_like(pad)))
-                self.kv = _scatter_blocks(self.kv, pad, k, v)
+                k, v = _fetch(jp.gather_blocks(self.kv, np.zeros_like(pad)))
+                self.kv = jp.scatter_blocks(self.kv, pad, k, v)
                 bar.update(2)
         jax.block_until_ready(self.kv)
         return num_compilations() - before
+
+    def shutdown(self, owns_params: bool = False) -> None:
+        """Free the KV pool (and the params when `owns_params`: weights the caller passed in may be
+        another engine's too) and this runner's compiled programs; the runner is unusable after."""
+        if self.programs is None:
+            return
+        owned = [self.kv, self._prev_tokens] + ([self.params] if owns_params else [])
+        for x in jax.tree.leaves(owned):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+        if self.pipeline is not None:
+            self.pipeline.release()
+        self.programs.release()
+        self.programs = self.kv = self.params = self.host_kv = self._prev_tokens = None
+        self._model_step = self._sample_step = self._copy_blocks = self._publish = None
 
     def _empty_batch(self, num_tokens: int, decode_only: bool = False) -> StepInput:
         batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq,
@@ -276,7 +296,8 @@ class ModelRunner:
         """Logprobs of the chunks' prompt tokens, from this step's hidden states."""
         result: dict[str, dict[int, SampledToken]] = {}
         for c in chunks:
-            so = _fetch(self._publish(_prompt_logprobs_step(self.params, _gather_rows(hidden, c.rows), c.targets)))
+            p = self.programs
+            so = _fetch(self._publish(p.prompt_logprobs_step(self.params, p.gather_rows(hidden, c.rows), c.targets)))
             for i, (rid, pos, tok, n) in enumerate(c.entries):
                 result.setdefault(rid, {})[pos] = _sampled(so, i, tok, n)
         return result
@@ -301,7 +322,7 @@ class ModelRunner:
         assert self.host_kv is not None, "swap_out without a host pool"
         for chunk in _chunks(pairs, self.copy_width):
             dev, _ = self._pad_pairs(chunk)
-            k, v = _fetch(_gather_blocks(self.kv, dev))
+            k, v = _fetch(self.programs.gather_blocks(self.kv, dev))
             host_ids = [c for _, c in chunk]
             self.host_kv[0][:, :, host_ids] = k[:, :, : len(chunk)]
             self.host_kv[1][:, :, host_ids] = v[:, :, : len(chunk)]
@@ -317,7 +338,7 @@ class ModelRunner:
             k, v = np.zeros(shape, self.host_kv[0].dtype), np.zeros(shape, self.host_kv[1].dtype)
             k[:, :, : len(chunk)] = self.host_kv[0][:, :, host_ids]
             v[:, :, : len(chunk)] = self.host_kv[1][:, :, host_ids]
-            self.kv = _scatter_blocks(self.kv, dev, k, v)
+            self.kv = self.programs.scatter_blocks(self.kv, dev, k, v)
 
 
 def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:
@@ -375,7 +396,9 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
     rows = np.zeros(step_seq_buckets(rc.max_num_seqs)[-1], np.int32)
     prev_tokens = np.zeros(rows.shape, np.int32)
-    compiled = _model_step.lower(model.params, kv, batch, rows, prev_tokens, cfg=cfg, backend=rc.backend,
+    # a program of its own, dropped after: no executable of this probe stays mapped
+    probe = fresh_jit(_model_step_fn, static_argnames=("cfg", "backend", "bf16_dots_from"), donate_argnums=1)
+    compiled = probe.lower(model.params, kv, batch, rows, prev_tokens, cfg=cfg, backend=rc.backend,
                                  bf16_dots_from=rc.bf16_dots_from).compile()
     analysis = compiled.memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0) if analysis is not None else 0

@@ -1,16 +1,23 @@
-"""The jitted programs of a step, module-level so engines of the same model and shapes in one
-process (tests, `bench sweep`) share compiled executables, and the compilation counter that
-proves serving compiles nothing after warm-up.
+"""The jitted programs of a step, and the compilation counter that proves serving compiles nothing
+after warm-up.
 
-    _model_step[T, decode_only]  (params, kv donated, batch, rows, prev_tokens) -> kv, hidden [P], hidden [T]
-    _sample_step[S, variant]     (params, hidden, sampling metadata) -> SamplerOutput, ids padded to [P]
-    _prompt_logprobs_step        logprob, rank and top-N of prompt tokens at Q positions
-    _copy_blocks / _gather_blocks / _scatter_blocks   block copies and swaps on the pool (donated)
+    model_step[T, decode_only]  (params, kv donated, batch, rows, prev_tokens) -> kv, hidden [P], hidden [T]
+    sample_step[S, variant]     (params, hidden, sampling metadata) -> SamplerOutput, ids padded to [P]
+    prompt_logprobs_step        logprob, rank and top-N of prompt tokens at Q positions
+    copy_blocks / gather_blocks / scatter_blocks   block copies and swaps on the pool (donated)
+
+Each engine owns its programs (`StepPrograms`, one per ModelRunner): jax.jit wrappers of fresh
+function objects, so JAX's in-memory caches, which are keyed on the function object, hold this
+engine's executables only while the engine lives, and `release()` drops them at once. An XLA:CPU
+executable maps its code into the process (about 130 memory maps a program, ~4,800 an engine's
+warm-up); shared module-level programs had kept every configuration's alive until the process
+reached vm.max_map_count (65,530) and the next compilation crashed. A second engine of the same
+model and shapes loads its programs from the persistent compilation cache (on disk) instead.
+The module-level `_model_step`, `_sample_step`, ... are the same programs for tests and scripts.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 
 import jax
@@ -19,6 +26,7 @@ import numpy as np
 from jax import monitoring
 from jax.experimental import multihost_utils
 
+from jaxserve.parallel.jit import fresh_jit
 from jaxserve.models import llama
 from jaxserve.sample.sampler import (SLICED_MIN_ROWS, SamplerOutput, compute_logprobs, plain_greedy, sample,
                                      sample_greedy_in_slices)
@@ -44,33 +52,27 @@ def num_compilations() -> int:
     return _num_compilations
 
 
-# The model config is a static argument: one executable per (config, shapes).
-@functools.partial(jax.jit, static_argnames=("cfg", "backend", "bf16_dots_from"), donate_argnums=1)
-def _model_step(params, kv, batch: StepInput, rows, prev_tokens, *, cfg, backend, bf16_dots_from=0):
+def _model_step_fn(params, kv, batch: StepInput, rows, prev_tokens, *, cfg, backend, bf16_dots_from=0):
     # prev_tokens [P] i32: the previous step's sampled ids, still on the device (async scheduling)
     token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
     kv, hidden = llama.forward(params, cfg, kv, token_ids, batch.positions, batch.attn, backend, bf16_dots_from)
     return kv, hidden[rows], hidden  # [P, hidden]: the sampling tokens' last positions; [T, hidden]: all
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _rows_like(hidden, num_tokens):  # [T, hidden] -> zeros [num_tokens, hidden], placed as a step's output
+def _rows_like_fn(hidden, num_tokens):  # [T, hidden] -> zeros [num_tokens, hidden], placed as a step's output
     return jnp.broadcast_to(hidden[:1] * 0, (num_tokens, *hidden.shape[1:]))
 
 
-@jax.jit
-def _gather_rows(hidden, rows):  # [T, hidden], [Q] -> [Q, hidden]; compiled per token bucket, tiny
+def _gather_rows_fn(hidden, rows):  # [T, hidden], [Q] -> [Q, hidden]; compiled per token bucket, tiny
     return hidden[rows]
 
 
-@jax.jit
-def _prompt_logprobs_step(params, hidden, targets) -> SamplerOutput:
+def _prompt_logprobs_step_fn(params, hidden, targets) -> SamplerOutput:
     """Logprob, rank and top-N of the next prompt token at Q prompt positions."""
     return compute_logprobs(llama.compute_logits(params, hidden), targets)
 
 
-@functools.partial(jax.jit, static_argnames=("num_rows", "vocab_slices", "head_dots"))
-def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int, vocab_slices: int = 0,
+def _sample_step_fn(params, hidden, md: SamplingMetadata, *, num_rows: int, vocab_slices: int = 0,
                  head_dots: bool = False) -> tuple[SamplerOutput, jax.Array]:
     """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs.
     vocab_slices > 0 (the runner's choice: CPU, one device, a float or int8 head): a step of at least
@@ -96,19 +98,50 @@ def _sample_step(params, hidden, md: SamplingMetadata, *, num_rows: int, vocab_s
     return so, jnp.zeros((num_rows,), jnp.int32).at[: so.token_ids.shape[0]].set(so.token_ids)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _copy_blocks(kv, src, dst):  # dst == num_blocks (out of range) for padding pairs
+def _copy_blocks_fn(kv, src, dst):  # dst == num_blocks (out of range) for padding pairs
     return tuple(c.at[:, :, dst].set(c[:, :, src], mode="drop") for c in kv)
 
 
-@jax.jit
-def _gather_blocks(kv, ids):
+def _gather_blocks_fn(kv, ids):
     return tuple(c[:, :, ids] for c in kv)
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter_blocks(kv, ids, k, v):
+def _scatter_blocks_fn(kv, ids, k, v):
     return kv[0].at[:, :, ids].set(k, mode="drop"), kv[1].at[:, :, ids].set(v, mode="drop")
+
+
+# name -> (function, jax.jit keywords). The model config is a static argument of the model step.
+_PROGRAMS = {
+    "model_step": (_model_step_fn, dict(static_argnames=("cfg", "backend", "bf16_dots_from"), donate_argnums=1)),
+    "rows_like": (_rows_like_fn, dict(static_argnums=1)),
+    "gather_rows": (_gather_rows_fn, {}),
+    "prompt_logprobs_step": (_prompt_logprobs_step_fn, {}),
+    "sample_step": (_sample_step_fn, dict(static_argnames=("num_rows", "vocab_slices", "head_dots"))),
+    "copy_blocks": (_copy_blocks_fn, dict(donate_argnums=0)),
+    "gather_blocks": (_gather_blocks_fn, {}),
+    "scatter_blocks": (_scatter_blocks_fn, dict(donate_argnums=0)),
+}
+
+
+class StepPrograms:
+    """One engine's programs (attributes named as `_PROGRAMS`); `release()` frees their executables."""
+
+    def __init__(self) -> None:
+        self._names = list(_PROGRAMS)
+        for name, (fn, kw) in _PROGRAMS.items():
+            setattr(self, name, fresh_jit(fn, **kw))
+
+    def release(self) -> None:
+        for name in self._names:
+            program = self.__dict__.pop(name, None)
+            if program is not None:
+                program.clear_cache()
+        self._names = []
+
+
+# The same programs at module level, for tests and scripts (an engine uses its own StepPrograms).
+_model_step, _rows_like, _gather_rows, _prompt_logprobs_step, _sample_step, _copy_blocks, _gather_blocks, \
+    _scatter_blocks = (jax.jit(fn, **kw) for fn, kw in _PROGRAMS.values())
 
 
 def _fetch(tree):
