@@ -65,7 +65,7 @@ def rank_main(rank: int, port: int, reps: int) -> None:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", 2, rank)
-    from jaxserve.worker.multihost import CODEC, _client
+    from jaxserve.engine.multihost import CODEC, _client
 
     client = _client()
     codecs = {"typed": (CODEC.encode, CODEC.decode),

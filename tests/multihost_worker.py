@@ -88,7 +88,7 @@ def planted(port: str, rank: str, out_path: str) -> None:
     import zlib
 
     from jaxserve.engine.args import EngineArgs
-    from jaxserve.worker import multihost
+    from jaxserve.engine import multihost
 
     args = EngineArgs(num_hosts=2, host_rank=int(rank), coordinator=f"127.0.0.1:{port}")
     multihost.initialize(args)

@@ -17,7 +17,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.host_channel import MAGIC, StepCodec
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.worker.input_batch import pack
-from jaxserve.worker.multihost import CODEC
+from jaxserve.engine.multihost import CODEC
 from jaxserve.worker.model_runner import PreparedStep, PromptLogprobChunk
 
 
