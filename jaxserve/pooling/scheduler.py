@@ -2,7 +2,7 @@
 
 A pooling request is prefill-only: one step computes it and it is done, so there are no KV blocks,
 no decode and no preemption. What matters is padding: a step runs a [B, S] program (B, S from the
-power-of-two buckets), so the waiting prompts are sorted by length and cut into runs whose padded
+buckets in engine.py), so the waiting prompts are sorted by length and cut into runs whose padded
 size fits the token budget; the run holding the oldest request goes first (no starvation).
 
     waiting (arrival order) --sort by length--> [a a b b b c c d] --cut--> [a a b b][b c c][d]
