@@ -46,3 +46,25 @@ def test_the_oldest_request_is_in_the_first_step() -> None:
 def test_too_long_is_refused() -> None:
     with pytest.raises(ValueError, match="input"):
         _scheduler().add(PoolingRequest("x", [1] * 129))
+
+
+def test_matryoshka_dimensions_only_when_config_declares_them(tmp_path) -> None:
+    import json
+
+    import numpy as np
+
+    from jaxserve.pooling import io
+    from jaxserve.pooling.config import read_pooling_info
+
+    cfg = {"architectures": ["BertModel"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 32}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="dimensions"):
+        io.check_dimensions(read_pooling_info(tmp_path), 4, 8)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [4, 8]}))
+    info = read_pooling_info(tmp_path)
+    io.check_dimensions(info, 4, 8)
+    with pytest.raises(ValueError, match="dimensions"):
+        io.check_dimensions(info, 3, 8)
+    cut = io.embedding(np.arange(8, dtype=np.float32), 4, normalize=True)
+    assert cut.shape == (4,) and abs(float(np.linalg.norm(cut)) - 1) < 1e-6
