@@ -1,0 +1,1 @@
+"""Pooling models (embeddings, scores, classification): docs/pooling.md."""

@@ -23,7 +23,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.pooling import model as pooling_model
 from jaxserve.pooling.config import PoolingModelInfo, read_pooling_info
-from jaxserve.pooling.scheduler import PoolingRequest, PoolingScheduler, power_of_two_buckets
+from jaxserve.pooling.scheduler import PoolingRequest, PoolingScheduler, length_buckets, power_buckets
 from jaxserve.weights.loader import resolve_dtype, resolve_model_path
 from jaxserve.worker import sizing
 from jaxserve.worker.programs import num_compilations
@@ -57,8 +57,10 @@ class PoolingEngine:
         budget = max(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
         self.scheduler = PoolingScheduler(
             args.max_num_seqs, budget,
-            power_of_two_buckets(min(SMALLEST_SEQ_BUCKET, self.max_model_len), self.max_model_len),
-            power_of_two_buckets(1, args.max_num_seqs))
+            length_buckets(min(SMALLEST_SEQ_BUCKET, self.max_model_len), self.max_model_len),
+            # Rows in powers of 4: a busy server fills its rows anyway, and each length bucket then
+            # costs 3-4 programs, not 6-7 (compile time is a user's cost).
+            power_buckets(args.max_num_seqs, 4))
         # --dtype auto on a CPU with bfloat16 dot instructions: bfloat16 dots, as the generate runner's
         # (engine/config.py); the steps a pooling model runs are all past its 64-token threshold.
         on_cpu = jax.default_backend() == "cpu"

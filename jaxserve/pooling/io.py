@@ -53,6 +53,8 @@ def tokenize(tokenizer, inputs: list, truncate: int | None, max_model_len: int, 
             if bad:
                 raise ValueError(f"input: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
             out[i] = list(v[-truncate:]) if truncate else list(v)
+    if any(not ids for ids in out):
+        raise ValueError("input: an input has no tokens (this tokenizer adds no special tokens to an empty text)")
     return [(ids, None) for ids in out]
 
 

@@ -1,8 +1,8 @@
 """Batching of pooling requests (no JAX): each step takes whole prompts, holds nothing afterwards.
 
 A pooling request is prefill-only: one step computes it and it is done, so there are no KV blocks,
-no decode and no preemption. What matters is padding: a step runs a [B, S] program (B, S from
-power-of-two buckets), so the waiting prompts are sorted by length and cut into runs whose padded
+no decode and no preemption. What matters is padding: a step runs a [B, S] program (B, S from the
+buckets in engine.py), so the waiting prompts are sorted by length and cut into runs whose padded
 size fits the token budget; the run holding the oldest request goes first (no starvation).
 
     waiting (arrival order) --sort by length--> [a a b b b c c d] --cut--> [a a b b][b c c][d]
@@ -29,11 +29,23 @@ class PoolingBatch:
     seq_len: int  # S: the length bucket
 
 
-def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
-    """smallest, 2*smallest, ... and then largest itself."""
+def power_buckets(largest: int, factor: int = 2) -> tuple[int, ...]:
+    """1, factor, factor**2, ... and then largest itself."""
+    out, b = [], 1
+    while b < largest:
+        out.append(b)
+        b *= factor
+    return tuple(out + [largest])
+
+
+def length_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 1.5x, 2x, 3x, 4x, ... (each power of two and the midpoint above it), then largest: a
+    padded length wastes at most a third of a step (powers of two alone: up to half)."""
     out, b = [], smallest
     while b < largest:
         out.append(b)
+        if b * 3 // 2 < largest and (b * 3) % 2 == 0:
+            out.append(b * 3 // 2)
         b *= 2
     return tuple(out + [largest])
 

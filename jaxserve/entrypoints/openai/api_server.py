@@ -220,6 +220,14 @@ def _is_pooling(args: EngineArgs) -> bool:
                              args.override_pooler_config).runner == "pooling"
 
 
+def _check_runner(args: EngineArgs) -> None:
+    """--runner generate on a pooling model (and the like): a usage error, not a traceback."""
+    try:
+        _is_pooling(args)
+    except FileNotFoundError:
+        pass  # the model is missing: loading it says so
+
+
 def _run_pooling_server(config: cli_args.ServeConfig) -> int:
     """--runner pooling (or a pooling model under auto): /v1/embeddings, /score, /rerank (serving_pooling.py)."""
     from jaxserve.entrypoints.openai.serving_pooling import build_pooling_app
@@ -244,6 +252,7 @@ def run_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) 
     """Shared by `jaxserve serve` and `python -m ...api_server`: flags -> ServeConfig -> run_server."""
     try:
         config = cli_args.resolve(ns)
+        _check_runner(config.engine)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
