@@ -1,0 +1,178 @@
+"""The Mixture-of-Experts block: route each token to its top-k experts, run only those rows.
+
+    x [T, H] --router--> ids [T, k] i32, weights [T, k] f32
+      T*k <= GATHER_MAX_ROWS   gather: each (token, choice) row multiplies its own expert's
+                               weights, gathered by id: only touched experts are ever read
+      otherwise                sort: the T*k rows sorted by expert (group_sizes [E]); a batched
+                               SwiGLU over E x capacity C slots, in rounds of C rows per expert
+                               until the largest group is done (nothing is dropped)
+    y [T, k, H] -> sum_k weights * y -> [T, H]
+
+`expert_swiglu` is the one place the path is chosen; the GPU's grouped matmul
+(pallas_kernels/grouped_matmul.py: lhs [M, K] sorted by group, rhs [E, K, N], group_sizes
+[E] -> [M, N]) takes the sorted rows in `_sorted_swiglu`'s place.
+
+Why these paths (XLA:CPU, jax 0.10, 2 shared cores, scripts/bench_moe.py: E = 32 experts of
+H = 512 -> I = 256, top-4, float32; ratios measured side by side in one run):
+  * `jax.lax.ragged_dot` is lowered on the CPU as a dense dot per expert over all M rows with a
+    mask (every expert for every row): E x the active FLOPs; measured 6-8x slower than the sort
+    path here at 64-256 tokens, so it is not used.
+  * the sort path reads every expert's weights once per round, whatever the batch: at 1-4
+    tokens that is E / (T*k) more bytes than needed; the gather path reads only the T*k rows'
+    experts (a duplicate choice reads its expert twice), so small batches take it.
+  * capacity C = 2 * T*k / E (a power of two, at most T): a balanced batch finishes in one
+    round; an unbalanced one pays one more batched matmul per further C rows of its largest
+    group, never a dropped token (a `while_loop`, exact).
+Figures: BENCHMARKS.md (MoE layer) and the docstring of scripts/bench_moe.py.
+
+Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
+"model" axis; every device sees every token (x replicated), keeps the rows routed to its own
+experts (others get weight 0 and are sorted past the last group), and one `psum` adds the
+devices' partial sums (shard_map; the mesh is the jit's own, read from the weights' avals).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.quantization.matmul import matmul
+
+GATHER_MAX_ROWS = 32  # T * k at or below which the gather path runs (decode of a few sequences)
+MODEL_AXIS = "model"
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Experts:
+    """The stacked weights of E experts (SwiGLU), as one layer sees them."""
+    w_gate: jax.Array  # [E, H, I]
+    w_up: jax.Array  # [E, H, I]
+    w_down: jax.Array  # [E, I, H]
+
+    @property
+    def num_experts(self) -> int:
+        return self.w_gate.shape[0]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Router:
+    weight: jax.Array  # [H, E]
+    bias: jax.Array | None = None  # [E]
+    top_k: int = field(default=1, metadata=dict(static=True))
+    norm_topk_prob: bool = field(default=False, metadata=dict(static=True))
+    kind: str = field(default="softmax_topk", metadata=dict(static=True))  # see config.MoeConfig.router
+
+
+def route(x: jax.Array, router: Router, dots: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
+    """x [T, H] -> expert ids [T, k] i32 and routing weights [T, k] f32 (as transformers: the
+    logits in x's dtype, the softmax in float32)."""
+    logits = matmul(x, router.weight, dots)
+    if router.bias is not None:
+        logits = logits + router.bias
+    logits = logits.astype(jnp.float32)
+    if router.kind == "topk_softmax":
+        top, ids = jax.lax.top_k(logits, router.top_k)
+        return ids, jax.nn.softmax(top, axis=-1)
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), router.top_k)
+    if router.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return ids, weights
+
+
+def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None = None,
+        expert_parallel: bool = False) -> jax.Array:
+    """x [T, H] -> [T, H]: each token through its top-k experts, weighted by the router.
+    expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig)."""
+    ids, weights = route(x, router, dots)
+    mesh = _expert_mesh(experts) if expert_parallel else None
+    if mesh is None:
+        return _combine(expert_swiglu(x, ids, experts, dots), weights, x.dtype)
+
+    def shard(x, ids, weights, experts):  # experts: this device's E / n of them
+        local = experts.num_experts
+        ids = ids - jax.lax.axis_index(MODEL_AXIS) * local
+        mine = (ids >= 0) & (ids < local)
+        y = expert_swiglu(x, jnp.where(mine, ids, local), experts, dots)  # id `local`: not computed
+        return jax.lax.psum(_combine(y, jnp.where(mine, weights, 0.0), x.dtype), MODEL_AXIS)
+
+    spec = Experts(P(MODEL_AXIS), P(MODEL_AXIS), P(MODEL_AXIS))
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
+                         check_vma=False)(x, ids, weights, experts)
+
+
+def _combine(y: jax.Array, weights: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """y [T, k, H], weights [T, k] -> [T, H] in `dtype`."""
+    return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype)).astype(dtype)
+
+
+def _expert_mesh(experts: Experts):
+    """The jit's mesh when the experts are split over a "model" axis of more than one device."""
+    sharding = getattr(jax.typeof(experts.w_gate), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or dict(mesh.shape).get(MODEL_AXIS, 1) == 1:
+        return None
+    return mesh
+
+
+def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots: jnp.dtype | None = None) -> jax.Array:
+    """x [T, H], ids [T, k] (an id of E or more: a row nobody computes, output 0) -> [T, k, H].
+    The one place the path is chosen (see the module docstring)."""
+    num_tokens, k = ids.shape
+    if num_tokens * k <= GATHER_MAX_ROWS:
+        return _gathered_swiglu(x, ids, experts, dots)
+    flat = ids.reshape(-1)  # [T*k]
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
+    y_sorted = _sorted_swiglu(x[order // k], sizes, experts, dots)  # [T*k, H]
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+    return y.reshape(num_tokens, k, -1)
+
+
+def _swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, dots, eq_in: str, eq_out: str) -> jax.Array:
+    c = jnp.float32 if dots is not None else None
+    cast = (lambda a: a.astype(dots)) if dots is not None else (lambda a: a)
+    gate = jnp.einsum(eq_in, cast(x), cast(wg), preferred_element_type=c)
+    up = jnp.einsum(eq_in, cast(x), cast(wu), preferred_element_type=c)
+    h = (jax.nn.silu(gate) * up).astype(x.dtype)
+    return jnp.einsum(eq_out, cast(h), cast(wd), preferred_element_type=c).astype(x.dtype)
+
+
+def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> jax.Array:
+    """Each of the T*k rows times its own expert's weights (gathered by id): [T, k, H]."""
+    num_experts = experts.num_experts
+    valid = ids < num_experts
+    safe = jnp.where(valid, ids, 0)
+    y = _swiglu(x, experts.w_gate[safe], experts.w_up[safe], experts.w_down[safe], dots,
+                "th,tkhi->tki", "tki,tkih->tkh")
+    return jnp.where(valid[..., None], y, 0)
+
+
+def capacity(num_rows: int, num_experts: int, num_tokens: int) -> int:
+    """Slots per expert in one round: twice the balanced share, a power of two, at most T."""
+    fair = max(1, -(-2 * num_rows // num_experts))
+    return min(num_tokens, 1 << (fair - 1).bit_length())
+
+
+def _sorted_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots) -> jax.Array:
+    """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not
+    computed, output 0) -> [M, H]. Rounds of C slots per expert until the largest group is done."""
+    m, num_experts = lhs.shape[0], experts.num_experts
+    c = capacity(m, num_experts, m)
+    starts = jnp.cumsum(sizes) - sizes  # [E]
+    slot = jnp.arange(c)[None, :]  # [1, C]
+
+    def one_round(i, out):
+        pos = i * c + slot  # [E, C] row within each expert's group
+        valid = pos < sizes[:, None]
+        rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
+        xs = jnp.where(valid[..., None], lhs[jnp.minimum(rows, m - 1)], 0)  # [E, C, H]
+        ys = _swiglu(xs, experts.w_gate, experts.w_up, experts.w_down, dots, "ech,ehi->eci", "eci,eih->ech")
+        return out.at[rows.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]), mode="drop")
+
+    rounds = (jnp.max(sizes) + c - 1) // c
+    return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros_like(lhs))
