@@ -133,23 +133,28 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots: jnp.dtyp
     return y.reshape(num_tokens, k, -1)
 
 
-def _swiglu(x: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, dots, eq_in: str, eq_out: str) -> jax.Array:
+def _swiglu(x: jax.Array, experts: Experts, e: jax.Array, dots) -> jax.Array:
+    """x [C, H] through expert e (traced) -> [C, H]; `dots`: bfloat16 operands, float32 sums."""
     c = jnp.float32 if dots is not None else None
     cast = (lambda a: a.astype(dots)) if dots is not None else (lambda a: a)
-    gate = jnp.einsum(eq_in, cast(x), cast(wg), preferred_element_type=c)
-    up = jnp.einsum(eq_in, cast(x), cast(wu), preferred_element_type=c)
+    gate = jnp.dot(cast(x), cast(experts.w_gate[e]), preferred_element_type=c)
+    up = jnp.dot(cast(x), cast(experts.w_up[e]), preferred_element_type=c)
     h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    return jnp.einsum(eq_out, cast(h), cast(wd), preferred_element_type=c).astype(x.dtype)
+    return jnp.dot(cast(h), cast(experts.w_down[e]), preferred_element_type=c).astype(x.dtype)
 
 
 def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> jax.Array:
-    """Each of the T*k rows times its own expert's weights (gathered by id): [T, k, H]."""
+    """Each of the T*k rows through its own expert, one row at a time (a loop of T*k matrix-vector
+    products, each reading only its expert's weights): [T, k, H]."""
+    num_tokens, k = ids.shape
     num_experts = experts.num_experts
-    valid = ids < num_experts
-    safe = jnp.where(valid, ids, 0)
-    y = _swiglu(x, experts.w_gate[safe], experts.w_up[safe], experts.w_down[safe], dots,
-                "th,tkhi->tki", "tki,tkih->tkh")
-    return jnp.where(valid[..., None], y, 0)
+
+    def one(args):
+        row, e = args  # [1, H], scalar
+        return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e, dots), lambda: jnp.zeros_like(row))
+
+    rows = jnp.repeat(x, k, axis=0)[:, None, :]  # [T*k, 1, H]
+    return jax.lax.map(one, (rows, ids.reshape(-1))).reshape(num_tokens, k, -1)
 
 
 def capacity(num_rows: int, num_experts: int, num_tokens: int) -> int:
@@ -160,18 +165,27 @@ def capacity(num_rows: int, num_experts: int, num_tokens: int) -> int:
 
 def _sorted_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots) -> jax.Array:
     """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not
-    computed, output 0) -> [M, H]. Rounds of C slots per expert until the largest group is done."""
+    computed, output 0) -> [M, H]. Rounds of C slots per expert until the largest group is done;
+    within a round a loop over the experts, each one's C rows times its weights, an expert with
+    no rows left skipped (its weights never read)."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts, m)
     starts = jnp.cumsum(sizes) - sizes  # [E]
-    slot = jnp.arange(c)[None, :]  # [1, C]
 
     def one_round(i, out):
-        pos = i * c + slot  # [E, C] row within each expert's group
-        valid = pos < sizes[:, None]
-        rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
-        xs = jnp.where(valid[..., None], lhs[jnp.minimum(rows, m - 1)], 0)  # [E, C, H]
-        ys = _swiglu(xs, experts.w_gate, experts.w_up, experts.w_down, dots, "ech,ehi->eci", "eci,eih->ech")
+        def expert(args):
+            e, start, size = args
+            pos = i * c + jnp.arange(c)  # [C] rows of this round within the expert's group
+            valid = pos < size
+            rows = jnp.where(valid, start + pos, m)  # m: out of range, dropped on write
+
+            def run():
+                xs = jnp.where(valid[:, None], lhs[jnp.minimum(rows, m - 1)], 0)  # [C, H]
+                return _swiglu(xs, experts, e, dots)
+
+            return rows, jax.lax.cond(size > i * c, run, lambda: jnp.zeros((c, lhs.shape[1]), lhs.dtype))
+
+        rows, ys = jax.lax.map(expert, (jnp.arange(num_experts), starts, sizes))  # [E, C], [E, C, H]
         return out.at[rows.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]), mode="drop")
 
     rounds = (jnp.max(sizes) + c - 1) // c
