@@ -137,3 +137,21 @@ def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
     assert set(a) == set(b)
     for leaf in a:
         np.testing.assert_array_equal(a[leaf], b[leaf], err_msg=leaf)
+
+
+def test_plan_knows_moe_sizes():
+    """`jaxserve plan` on the bundled Qwen3-30B-A3B config: 30.5 B parameters, 3.3 B active (its
+    model card's figures), all of them in memory (bfloat16), half per device at TP 2."""
+    from jaxserve.plan.source import read_model
+    from jaxserve.worker import sizing
+    from tests.test_plan import run_plan
+
+    r = run_plan("Qwen/Qwen3-30B-A3B", "--gpu", "H200", "--max-model-len", "4096")
+    assert round(r["total_params"] / 1e9, 1) == 30.5 and round(r["active_params_per_token"] / 1e9, 1) == 3.4
+    assert r["fits"] and abs(r["weights_bytes_per_device"] - 2 * r["total_params"]) < 1e6
+    cfg = read_model("Qwen/Qwen3-30B-A3B").config
+    assert cfg.moe.num_experts == 128 and cfg.moe.num_experts_per_tok == 8 and cfg.moe.norm_topk_prob
+    one = sizing.weight_bytes_per_device(cfg, 2)
+    from jaxserve.models.config import with_expert_parallel
+    for c in (cfg, with_expert_parallel(cfg, True)):  # TP splits expert widths, EP whole experts: half each
+        assert abs(sizing.weight_bytes_per_device(c, 2, 2) - one / 2) < one * 0.01
