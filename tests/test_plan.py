@@ -91,7 +91,7 @@ def test_cli_json_exits_zero_either_way(capsys):
 
 
 def test_bundled_configs_are_the_real_models():
-    assert len(bundled_ids()) == 7
+    assert len(bundled_ids()) == 8
     cfg = read_model("Qwen/Qwen2.5-72B-Instruct").config
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.intermediate_size) == (80, 8192, 8, 29568)
     assert read_model("TheBloke/Llama-2-70B-Chat-AWQ").quantization == "awq"

@@ -52,6 +52,10 @@ class EngineArgs:
     tensor_parallel_size: Positive = 1
     data_parallel_size: Positive = 1
     pipeline_parallel_size: Positive = 1
+    # vLLM's --enable-expert-parallel: a MoE model's experts split over the tensor-parallel devices
+    # (each holds E / tp whole experts, one psum per layer) instead of each expert's width; dense
+    # models ignore it.
+    enable_expert_parallel: bool = False
     seed: int = 0
     attention_backend: AttentionBackend = "auto"  # auto: pallas on GPU, xla on CPU; reference: xla
     chat_template: str | None = None

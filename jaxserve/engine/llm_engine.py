@@ -41,6 +41,7 @@ from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
+from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
 from jaxserve.weights.source import describe_model
@@ -83,9 +84,12 @@ class LLMEngine:
                     max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_chunked_prefill=args.enable_chunked_prefill, max_num_seqs=args.max_num_seqs,
                     gpu_memory_utilization=args.gpu_memory_utilization)
-            model = load_model(source, args.dtype, progress, mesh=mesh, quantization=args.quantization)
-        elif mesh is not None:
-            model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
+            model = load_model(source, args.dtype, progress, mesh=mesh, quantization=args.quantization,
+                               expert_parallel=args.enable_expert_parallel)
+        else:
+            model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
+            if mesh is not None:
+                model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
         if args.quantization in ON_LOAD_METHODS and model.quantization is None:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
             params = quantize_params(model.params, model.config, args.quantization, ids)

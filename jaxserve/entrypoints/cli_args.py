@@ -86,6 +86,8 @@ _HELP = {
     "kv_cache_dtype": ("KV pool dtype; auto: the model's; None (not given): bfloat16 on a CPU, auto elsewhere. bfloat16: half the bytes (not bit-exact); fp8 (= fp8_e4m3), "
                        "fp8_e5m2: a quarter of float32's, with the checkpoint's k/v scales when it has them"),
     "attention_backend": "auto: Pallas kernels on GPU, the XLA path on CPU (reference: old name of xla)",
+    "enable_expert_parallel": ("MoE models: split the experts over the tensor-parallel devices (whole experts "
+                               "per device, one psum a layer) instead of each expert's width"),
     "chat_template": "a Jinja chat template, or a file holding one, overriding the model's",
     "compilation_cache_dir": "JAX persistent compilation cache directory",
     "num_hosts": "processes (hosts) joined by jax.distributed into one replica (a TP mesh, or a PP stage per host); rank 0 serves HTTP",

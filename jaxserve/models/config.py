@@ -1,22 +1,66 @@
-"""The Llama-family model configuration, read from a transformers `config.json` dict.
+"""The model configuration, read from a transformers `config.json` dict.
 
-One frozen dataclass covers Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3: they
-differ only in q/k/v bias, q/k RMSNorm, RoPE scaling, sliding window and tied
-embeddings, which are fields here rather than subclasses.
+One frozen dataclass covers every registered family (jaxserve/models/registry.py): Llama
+2/3/3.1, Mistral, Qwen2/2.5 and Qwen3 differ only in q/k/v bias, q/k RMSNorm, RoPE scaling,
+sliding window and tied embeddings; the Mixture-of-Experts families (Qwen2-MoE, Qwen3-MoE,
+Mixtral) add a `MoeConfig`. The common fields are read here; each family's module reads its
+own (`ModelFamily.config_fields`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+from jaxserve.models import registry
+
+# architecture -> family name: a view of the registry, kept for the callers that list them
+SUPPORTED_ARCHITECTURES: dict[str, str] = {a: registry.family_name(a) for a in registry.supported_architectures()}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+ROUTERS = ("softmax_topk", "topk_softmax")
+# config.json's names for the number of routed experts, by family
+NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The experts of a Mixture-of-Experts model (one per layer, the same in every sparse layer)."""
+    num_experts: int
+    num_experts_per_tok: int  # top-k
+    moe_intermediate_size: int  # one expert's width
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    # softmax_topk: softmax over all experts, then the top k (Qwen, Mixtral: renormalised);
+    # topk_softmax: the top k logits, then a softmax over those k (gpt-oss)
+    router: str = "softmax_topk"
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on expert with a sigmoid gate; 0: none
+    # layers with a dense MLP of `intermediate_size` instead (mlp_only_layers, decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()
+    expert_parallel: bool = False  # EngineArgs.enable_expert_parallel: experts split over the TP devices
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be in [1, num_experts="
+                             f"{self.num_experts}]")
+        if self.moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The expert width a token passes through: top-k experts plus the shared one."""
+        return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+
+
+def num_experts_from_hf(hf: Mapping) -> int | None:
+    """Routed experts under any of config.json's names (NUM_EXPERTS_KEYS), None when none is set."""
+    for key in NUM_EXPERTS_KEYS:
+        if hf.get(key):
+            return int(hf[key])
+    return None
 
 
 @dataclass(frozen=True)
@@ -41,11 +85,10 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoeConfig | None = None  # Mixture-of-Experts families only
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"architecture {self.architecture!r} is not supported; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        registry.family_name(self.architecture)  # ValueError naming the supported ones
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -55,7 +98,7 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        return registry.family_name(self.architecture)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,26 +108,24 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = tuple(d.get("rope_scaling") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("moe") is not None:
+            moe = dict(d["moe"])
+            moe["dense_layers"] = tuple(moe.get("dense_layers") or ())
+            d["moe"] = MoeConfig(**moe)
         return cls(**d)
 
     @classmethod
     def from_hf(cls, hf: Mapping, source: str = "config.json") -> "ModelConfig":
         """Build from a transformers config dict; `source` names the file in errors."""
-        archs = list(hf.get("architectures") or [])
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        arch = registry.resolve_architecture(hf, source)
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
             rope_type, rope_scaling, rope_theta = _rope_from_hf(hf)
             sliding = hf.get("sliding_window")
-            if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not hf.get("use_sliding_window", False):
-                sliding = None
             eos = hf.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            return cls(
+            common = dict(
                 architecture=arch,
                 vocab_size=int(hf["vocab_size"]),
                 hidden_size=hidden,
@@ -99,14 +140,22 @@ class ModelConfig:
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
+                attention_bias=bool(hf.get("attention_bias", False)),
                 sliding_window=int(sliding) if sliding else None,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
             )
+            return cls(**{**common, **registry.get_family(arch).config_fields(hf, arch)})
         except KeyError as e:
             raise ValueError(f"{source}: missing required field {e.args[0]!r}") from None
+
+
+def with_expert_parallel(cfg: ModelConfig, enable: bool) -> ModelConfig:
+    """`cfg` with its experts split over the TP devices (EngineArgs.enable_expert_parallel); a dense
+    model is returned as is (vLLM ignores the flag there too)."""
+    if cfg.moe is None or cfg.moe.expert_parallel == enable:
+        return cfg
+    return replace(cfg, moe=replace(cfg.moe, expert_parallel=enable))
 
 
 def _rope_from_hf(hf: Mapping) -> tuple[str, tuple[float, ...], float]:

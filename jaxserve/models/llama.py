@@ -1,4 +1,7 @@
-"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) as pure functions.
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3) as pure functions, and the
+layer scan every registered family runs (jaxserve/models/registry.py): a family differs from
+Llama only in its feed-forward block (`ModelFamily.ffn`: experts, a shared expert) and its own
+leaves, so the attention half of the layer and the scan over stacked layers live here once.
 
 Why pure functions over a dict pytree rather than flax nnx modules: the step is
 one jitted function of (params, kv_cache, batch); the layers' weights are
@@ -30,7 +33,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve.models import attention
+from typing import Mapping
+
+from jaxserve.models import attention, registry
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
@@ -110,6 +115,8 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
     inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
     dots = jnp.bfloat16 if bf16_dots_from and h.shape[0] >= bf16_dots_from else None
 
+    ffn = registry.get_family(cfg.architecture).ffn  # Llama's dense MLP, or a family's experts
+
     def layer_body(carry, xs):
         h, k_cache, v_cache = carry
         lp, layer = xs
@@ -117,18 +124,23 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
             cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
             (k_cache, v_cache), md, layer, inv_freq, dots)
         h = h + attn_out
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        if "w_gate_up" in lp:  # fused layout (int8): one dot
-            gate, up = jnp.split(matmul(x, lp["w_gate_up"], dots), 2, axis=-1)
-        else:
-            gate, up = matmul(x, lp["w_gate"], dots), matmul(x, lp["w_up"], dots)
-        h = h + matmul(jax.nn.silu(gate) * up, lp["w_down"], dots)
+        h = h + ffn(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), dots)
         return (h, k_cache, v_cache), None
 
     num_layers = jax.tree.leaves(layers)[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
     return (k_cache, v_cache), h
+
+
+def dense_mlp(cfg: ModelConfig, lp: dict, x: jax.Array, dots: jnp.dtype | None = None,
+              prefix: str = "w") -> jax.Array:
+    """SwiGLU: x [T, hidden] -> [T, hidden] through lp[prefix + "_gate" / "_up" / "_down"]."""
+    if prefix + "_gate_up" in lp:  # fused layout (int8): one dot
+        gate, up = jnp.split(matmul(x, lp[prefix + "_gate_up"], dots), 2, axis=-1)
+    else:
+        gate, up = matmul(x, lp[prefix + "_gate"], dots), matmul(x, lp[prefix + "_up"], dots)
+    return matmul(jax.nn.silu(gate) * up, lp[prefix + "_down"], dots)
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
@@ -151,12 +163,16 @@ def slice_logits(params: Params, hidden: jax.Array, start: jax.Array, size: int,
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
-    """The expected shape of every parameter, to check loaded weights against."""
-    L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    """The expected shape of every parameter, to check loaded weights against (the family's tree)."""
+    return registry.get_family(cfg.architecture).param_shapes(cfg)
+
+
+def attention_shapes(cfg: ModelConfig) -> dict:
+    """The tree around the layers' feed-forward blocks: embedding, attention and norm leaves, head."""
+    L, H = cfg.num_layers, cfg.hidden_size
     nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     layers = {"attn_norm": (L, H), "mlp_norm": (L, H), "wq": (L, H, nq), "wk": (L, H, nkv),
-              "wv": (L, H, nkv), "wo": (L, nq, H), "w_gate": (L, H, I), "w_up": (L, H, I),
-              "w_down": (L, I, H)}
+              "wv": (L, H, nkv), "wo": (L, nq, H)}
     if cfg.attention_bias:
         layers.update(bq=(L, nq), bk=(L, nkv), bv=(L, nkv))
     if cfg.qk_norm:
@@ -165,3 +181,61 @@ def param_shapes(cfg: ModelConfig) -> dict:
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)
     return shapes
+
+
+def mlp_shapes(num_layers: int, hidden: int, inter: int, prefix: str = "w") -> dict:
+    return {f"{prefix}_gate": (num_layers, hidden, inter), f"{prefix}_up": (num_layers, hidden, inter),
+            f"{prefix}_down": (num_layers, inter, hidden)}
+
+
+def _param_shapes(cfg: ModelConfig) -> dict:
+    shapes = attention_shapes(cfg)
+    shapes["layers"].update(mlp_shapes(cfg.num_layers, cfg.hidden_size, cfg.intermediate_size))
+    return shapes
+
+
+# our layer leaf -> (transformers name under model.layers.{i}., transpose?)
+ATTENTION_TENSORS: dict[str, tuple[str, bool]] = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "bq": ("self_attn.q_proj.bias", False),
+    "bk": ("self_attn.k_proj.bias", False),
+    "bv": ("self_attn.v_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+}
+MLP_TENSORS: dict[str, tuple[str, bool]] = {
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+LAYER_TENSORS = {**ATTENTION_TENSORS, **MLP_TENSORS}
+
+
+def _config_fields(hf: Mapping, arch: str) -> dict:
+    """Qwen2: q/k/v bias unless config.json says otherwise; Qwen3: q/k norm; both: the sliding
+    window only with use_sliding_window."""
+    return qwen_fields(hf, qk_norm=arch == "Qwen3ForCausalLM", bias=arch == "Qwen2ForCausalLM") \
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") else {}
+
+
+def qwen_fields(hf: Mapping, qk_norm: bool, bias: bool) -> dict:
+    """The Qwen families' attention fields (dense and MoE alike)."""
+    out = {"qk_norm": qk_norm, "attention_bias": bool(hf.get("attention_bias", bias))}
+    if not hf.get("use_sliding_window", False):
+        out["sliding_window"] = None
+    return out
+
+
+def dense_partition_rules(cfg: ModelConfig, tp: int) -> dict:
+    """Column-parallel gate/up, row-parallel down (the base rules in parallel/specs.py)."""
+    return {}
+
+
+FAMILY = registry.ModelFamily(
+    config_fields=_config_fields, param_shapes=_param_shapes, layer_tensors=lambda cfg: LAYER_TENSORS,
+    ffn=dense_mlp, partition_rules=dense_partition_rules)

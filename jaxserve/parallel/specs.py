@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models import registry
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.mesh import DATA_AXIS, MODEL_AXIS
@@ -96,6 +97,7 @@ def partition_plan(cfg: ModelConfig, tensor_parallel_size: int) -> PartitionPlan
         "bv": (kv_ok or kv_groups, _column(2, kv_axis), why_kv),
         "w_gate": (mlp_ok, _column(3), why_mlp), "w_up": (mlp_ok, _column(3), why_mlp),
         "w_down": (mlp_ok, _row(), why_mlp),
+        **registry.get_family(cfg.architecture).partition_rules(cfg, tp),  # a family's own leaves
     }
     layers = {}
     for leaf in shapes["layers"]:

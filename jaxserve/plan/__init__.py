@@ -107,6 +107,7 @@ def render(r: dict) -> str:
     tp, pp = r["tensor_parallel_size"], r["pipeline_parallel_size"]
     lines = [f"model   {r['model']}  ({r['config_source']})",
              f"devices {r['num_devices']} x {r['gpu']}  (TP {tp} x PP {pp}; stages {r['stages']})",
+             f"params  {r['total_params'] / 1e9:.2f} B, {r['active_params_per_token'] / 1e9:.2f} B active per token",
              f"per device:",
              f"  weights             {_gb(r['weights_bytes_per_device'])}"
              f"{'  (' + r['quantization'] + ')' if r['quantization'] else ''}",

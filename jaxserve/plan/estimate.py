@@ -68,7 +68,8 @@ def estimate(s: Setting) -> dict:
                max_concurrent_seqs=concurrent, running_seqs=min(concurrent, s.max_num_seqs),
                tensor_parallel_size=tp, pipeline_parallel_size=pp, num_devices=s.num_devices,
                quantization=s.quantization, max_model_len=s.max_model_len, block_size=s.block_size,
-               stages=sizing.stage_layer_ranges(cfg.num_layers, pp))
+               stages=sizing.stage_layer_ranges(cfg.num_layers, pp),
+               total_params=total_params(cfg), active_params_per_token=active_params(cfg))
     if s.gpu is not None:
         out["decode_tokens_per_s_batch1"] = _tokens_per_s(s, weights, out["kv_bytes_per_token"], 1)
         out[f"decode_tokens_per_s_batch{out['running_seqs']}"] = \
@@ -78,9 +79,38 @@ def estimate(s: Setting) -> dict:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights a token multiplies (every matmul; the embedding lookup is not one, a tied LM head is)."""
+    """Weights a token multiplies (every matmul; the embedding lookup is not one, a tied LM head is).
+    A MoE layer: its router, its top-k experts and its shared expert, not the other experts."""
     layers = sum(_prod(v) for k, v in param_shapes(cfg)["layers"].items() if k in sizing.MATMUL_LEAVES)
+    if cfg.moe is not None:
+        m, sparse = cfg.moe, cfg.num_layers - len(cfg.moe.dense_layers)
+        if m.dense_layers:  # the engine holds both kinds in every layer; a token uses one
+            layers -= sparse * 3 * cfg.hidden_size * cfg.intermediate_size
+        layers += sparse * cfg.hidden_size * (3 * m.active_intermediate_size + m.num_experts)
     return layers + cfg.hidden_size * cfg.vocab_size
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """Every weight the model holds (the checkpoint's count: a mixed MoE's padding not included)."""
+    shapes = param_shapes(cfg)
+    n = sum(_prod(v) for k, v in shapes["layers"].items())
+    if cfg.moe is not None and cfg.moe.dense_layers:
+        dense, sparse = len(cfg.moe.dense_layers), cfg.num_layers - len(cfg.moe.dense_layers)
+        m, H = cfg.moe, cfg.hidden_size
+        n -= sparse * 3 * H * cfg.intermediate_size + cfg.num_layers  # zeros in sparse layers, the flag
+        n -= dense * H * (3 * (m.num_experts * m.moe_intermediate_size + m.shared_expert_intermediate_size)
+                          + m.num_experts + (1 if m.shared_expert_intermediate_size else 0))
+    return n + sum(_prod(v) for k, v in shapes.items() if k != "layers")
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token uses, counted as model cards do (Qwen3-30B-A3B: 3.3B): every weight
+    but the experts a token is not routed to; a dense model's total."""
+    if cfg.moe is None:
+        return total_params(cfg)
+    m = cfg.moe
+    idle = (m.num_experts - m.num_experts_per_tok) * 3 * cfg.hidden_size * m.moe_intermediate_size
+    return total_params(cfg) - (cfg.num_layers - len(m.dense_layers)) * idle
 
 
 def _tokens_per_s(s: Setting, weights: int, kv_per_token: int, batch: int) -> float:

@@ -121,6 +121,9 @@ def quantize_params(params: dict, cfg: ModelConfig, method: str, token_ids: np.n
     if method not in ON_LOAD_METHODS:
         raise ValueError(f"quantization: {method!r} cannot be applied to a float checkpoint; "
                          f"supported: {', '.join(ON_LOAD_METHODS)}")
+    if cfg.moe is not None and method == "int8":
+        raise ValueError(f"quantization: int8 (SmoothQuant) does not cover the experts of {cfg.architecture}; "
+                         "use fp8 (attention and dense projections in e4m3, experts in the model dtype)")
     dtype = params["embed"].dtype
     if method == "fp8":
         layers = {k: quantize_weight(v, "fp8") if k in LINEAR_LEAVES else v for k, v in params["layers"].items()}

@@ -9,28 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.models import llama, registry
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params, param_shapes
 from jaxserve.quantization.hf_linear import LinearReader
 from jaxserve.quantization.qweight import stack
 
-# our layer leaf -> (transformers name under model.layers.{i}., transpose?)
-LAYER_TENSORS: dict[str, tuple[str, bool]] = {
-    "attn_norm": ("input_layernorm.weight", False),
-    "mlp_norm": ("post_attention_layernorm.weight", False),
-    "wq": ("self_attn.q_proj.weight", True),
-    "wk": ("self_attn.k_proj.weight", True),
-    "wv": ("self_attn.v_proj.weight", True),
-    "wo": ("self_attn.o_proj.weight", True),
-    "bq": ("self_attn.q_proj.bias", False),
-    "bk": ("self_attn.k_proj.bias", False),
-    "bv": ("self_attn.v_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "w_gate": ("mlp.gate_proj.weight", True),
-    "w_up": ("mlp.up_proj.weight", True),
-    "w_down": ("mlp.down_proj.weight", True),
-}
+# The dense Llama family's names (our layer leaf -> (name under model.layers.{i}., transpose?));
+# every family's own map is registry.get_family(arch).layer_tensors(cfg).
+LAYER_TENSORS: dict[str, tuple[str, bool]] = llama.LAYER_TENSORS
 
 TensorGetter = Callable[[str], np.ndarray]  # raises KeyError when the tensor is absent
 
@@ -73,8 +60,13 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     params: Params = {"embed": place(fetch("model.embed_tokens.weight", False, shapes["embed"]), shapes["embed"],
                                      "model.embed_tokens.weight", "embed")}
     layers = {}
+    tensors = registry.get_family(cfg.architecture).layer_tensors(cfg)
     for leaf, expected in shapes["layers"].items():
-        hf_name, transpose = LAYER_TENSORS[leaf]
+        if callable(tensors[leaf]):  # a family's reader (experts stacked, a mixed model's zeros)
+            stacked = np.stack([_read(tensors[leaf], get, i, expected[1:], source) for i in range(cfg.num_layers)])
+            layers[leaf] = place(stacked, expected, f"model.layers.*.{leaf}", f"layers/{leaf}")
+            continue
+        hf_name, transpose = tensors[leaf]
         if linear is not None and hf_name.endswith("_proj.weight"):
             prefix = hf_name.removesuffix(".weight")
             qw = stack([linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in range(cfg.num_layers)])
@@ -94,6 +86,17 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
                                   "lm_head.weight", "lm_head")
     bar.close()
     return params
+
+
+def _read(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, ...], source: str) -> np.ndarray:
+    """One layer's leaf through a family's reader, checked against its expected shape."""
+    try:
+        arr = np.asarray(reader(get, f"model.layers.{layer}."))
+    except KeyError as e:
+        raise ValueError(f"{source}: missing tensor {e.args[0]!r}") from None
+    if arr.shape != expected:
+        raise ValueError(f"{source}: layer {layer}: tensor of shape {arr.shape}, expected {expected}")
+    return arr
 
 
 def _kv_scales(get: TensorGetter, num_layers: int) -> dict[str, jax.Array]:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from transformers import PreTrainedTokenizerBase
 
-from jaxserve.models.config import ModelConfig
+from jaxserve.models.config import ModelConfig, with_expert_parallel
 from jaxserve.models.llama import Params
 from jaxserve.parallel import place_fn, shard_params
 from jaxserve.weights import gguf_file
@@ -51,7 +51,8 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 
 def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", progress: bool = True,
-               mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None) -> LoadedModel:
+               mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None,
+               expert_parallel: bool = False) -> LoadedModel:
     """`model`: `--model` (source.py resolves it) or a ModelSource already described. With a `mesh`,
     every weight goes straight into its tensor-parallel shards. `quantization` (EngineArgs.quantization)
     is checked against an HF directory's quantization_config; the quantize-on-load methods (int8, fp8
@@ -63,7 +64,8 @@ def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", pr
         source = describe_path(path, model or DEFAULT_MODEL)  # type: ignore[arg-type]
     if path is None:
         raise ValueError(f"model: {source.where} describes a model but holds no weights to load")
-    cfg, name = source.config, source.name
+    name = source.name
+    cfg = with_expert_parallel(source.config, expert_parallel)  # before the weights are placed
     if source.format == "gguf":
         header, reader = source.gguf_header
         params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg))

@@ -1,0 +1,195 @@
+"""What the Mixture-of-Experts families share: their config fields, leaves, weight names, sharding.
+
+A MoE model's layers are Llama's attention half plus, per layer (leaves stacked on [L]):
+
+    router   [L, H, E]                 (config.json's `mlp.gate`, our [in, out])
+    we_gate, we_up [L, E, H, I]  we_down [L, E, I, H]    the experts, I = moe_intermediate_size
+    ws_gate, ws_up [L, H, S]  ws_down [L, S, H]  ws_router [L, H, 1]   a shared expert (Qwen2-MoE)
+    w_gate, w_up [L, H, D]  w_down [L, D, H]  sparse [L]   only when some layers are dense
+
+Dense layers between sparse ones (mlp_only_layers, decoder_sparse_step): every layer holds
+both kinds and the `sparse` flag (1.0 / 0.0) picks the branch in the scan (`lax.cond`, one
+runs). The absent kind is zeros: a mixed model pays that memory (the dense MLP in every
+sparse layer, the experts in every dense layer) for one compiled layer body whatever the
+pattern; a model whose layers are all sparse (Qwen3-30B-A3B, Mixtral) holds experts only.
+The flag is a leaf, so pipeline stages slice it with their layers.
+
+Tensor parallelism without `--enable-expert-parallel`: every expert's intermediate axis I is
+split (gate/up columns, down rows), as a dense MLP; with it, the expert axis E is split and
+moe.moe adds the devices' partial sums with one psum.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping
+
+import jax
+
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxserve.models.config import ModelConfig, MoeConfig, num_experts_from_hf
+from jaxserve.models.llama import attention_shapes, dense_mlp, mlp_shapes
+from jaxserve.models.moe import Experts, Router, moe
+
+MODEL_AXIS = "model"
+
+
+def moe_config(hf: Mapping, router: str = "softmax_topk", norm_topk_prob: bool | None = None,
+               shared: bool = False) -> MoeConfig:
+    """MoeConfig from config.json: the expert count under any alias, dense layers from
+    mlp_only_layers and decoder_sparse_step (layer i is sparse when (i + 1) % step == 0)."""
+    num_experts = num_experts_from_hf(hf)
+    if num_experts is None:
+        raise KeyError("num_experts")
+    num_layers = int(hf["num_hidden_layers"])
+    step = int(hf.get("decoder_sparse_step") or 1)
+    only = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+    return MoeConfig(
+        num_experts=num_experts, num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf.get("moe_intermediate_size") or hf["intermediate_size"]),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)) if norm_topk_prob is None else norm_topk_prob,
+        router=router, shared_expert_intermediate_size=int(hf.get("shared_expert_intermediate_size") or 0)
+        if shared else 0, dense_layers=dense)
+
+
+def moe_param_shapes(cfg: ModelConfig) -> dict:
+    m = _moe(cfg)
+    L, H, E, I = cfg.num_layers, cfg.hidden_size, m.num_experts, m.moe_intermediate_size
+    shapes = attention_shapes(cfg)
+    layers = shapes["layers"]
+    layers.update(router=(L, H, E), we_gate=(L, E, H, I), we_up=(L, E, H, I), we_down=(L, E, I, H))
+    if m.shared_expert_intermediate_size:
+        layers.update(mlp_shapes(L, H, m.shared_expert_intermediate_size, "ws"), ws_router=(L, H, 1))
+    if m.dense_layers:
+        layers.update(mlp_shapes(L, H, cfg.intermediate_size), sparse=(L,))
+    return shapes
+
+
+def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None) -> jax.Array:
+    """One layer's feed-forward block: the routed experts (+ the gated shared expert), or the
+    dense MLP in a dense layer of a mixed model."""
+    m = _moe(cfg)
+
+    def sparse(x: jax.Array) -> jax.Array:
+        router = Router(lp["router"], None, m.num_experts_per_tok, m.norm_topk_prob, m.router)
+        out = moe(x, router, Experts(lp["we_gate"], lp["we_up"], lp["we_down"]), dots, m.expert_parallel)
+        if m.shared_expert_intermediate_size:
+            gate = jax.nn.sigmoid(x @ lp["ws_router"])  # [T, 1]
+            out = out + gate * dense_mlp(cfg, lp, x, dots, prefix="ws")
+        return out
+
+    if not m.dense_layers:
+        return sparse(x)
+    return jax.lax.cond(lp["sparse"] > 0, sparse, lambda x: dense_mlp(cfg, lp, x, dots), x)
+
+
+def moe_partition_rules(cfg: ModelConfig, tp: int) -> dict:
+    """{leaf: (ok, spec, why not)} for the MoE leaves (the base rules cover w_gate/w_up/w_down)."""
+    m = _moe(cfg)
+    shared = m.shared_expert_intermediate_size
+    rules: dict = {"router": (True, P(), ""), "ws_router": (True, P(), ""), "sparse": (True, P(), "")}
+    if m.expert_parallel:
+        ok = m.num_experts % tp == 0
+        spec = P(None, MODEL_AXIS, None, None)
+        why = f"num_experts {m.num_experts} not divisible by tensor parallel size {tp}"
+        rules.update(we_gate=(ok, spec, why), we_up=(ok, spec, why), we_down=(ok, spec, why))
+    else:
+        ok = m.moe_intermediate_size % tp == 0
+        why = f"moe_intermediate_size {m.moe_intermediate_size} not divisible by {tp}"
+        rules.update(we_gate=(ok, P(None, None, None, MODEL_AXIS), why),
+                     we_up=(ok, P(None, None, None, MODEL_AXIS), why),
+                     we_down=(ok, P(None, None, MODEL_AXIS, None), why))
+    if shared:
+        ok, why = shared % tp == 0, f"shared_expert_intermediate_size {shared} not divisible by {tp}"
+        rules.update(ws_gate=(ok, P(None, None, MODEL_AXIS), why), ws_up=(ok, P(None, None, MODEL_AXIS), why),
+                     ws_down=(ok, P(None, MODEL_AXIS, None), why))
+    return rules
+
+
+# ---- weight names ---------------------------------------------------------------------------------
+
+def expert_readers(cfg: ModelConfig, blocks: tuple[str, ...], per_expert: tuple[str, str, str]) -> dict:
+    """Readers of the router and the three expert leaves of one layer, under the first block name
+    of `blocks` the checkpoint has (Mixtral: block_sparse_moe, or mlp as transformers >= 5 names
+    it). Experts are auto-detected per layer: per-expert tensors `{block}.experts.{e}.{name}.weight`
+    with `per_expert` = (gate, up, down) names, or the fused 3D tensors transformers >= 5 writes,
+    `{block}.experts.gate_up_proj` [E, 2I, H] (gate rows first) and `{block}.experts.down_proj` [E, H, I]."""
+    m = _moe(cfg)
+    E, I = m.num_experts, m.moe_intermediate_size
+
+    def block(get, prefix: str) -> str:
+        for b in blocks:
+            try:
+                get(f"{prefix}{b}.gate.weight")
+                return b
+            except KeyError:
+                continue
+        raise KeyError(f"{prefix}{blocks[0]}.gate.weight")
+
+    def router(get, prefix: str) -> np.ndarray:
+        return np.asarray(get(f"{prefix}{block(get, prefix)}.gate.weight")).T  # [E, H] -> [H, E]
+
+    def expert(which: int) -> Callable:
+        def read(get, prefix: str) -> np.ndarray:
+            base = f"{prefix}{block(get, prefix)}.experts."
+            try:
+                fused = np.asarray(get(base + ("down_proj" if which == 2 else "gate_up_proj")))
+            except KeyError:
+                return np.stack([np.asarray(get(f"{base}{e}.{per_expert[which]}.weight")).T for e in range(E)])
+            if which == 2:
+                return np.swapaxes(fused, 1, 2)  # [E, H, I] -> [E, I, H]
+            half = fused[:, :I] if which == 0 else fused[:, I:]
+            return np.swapaxes(half, 1, 2)  # [E, I, H] -> [E, H, I]
+        return read
+
+    return {"router": router, "we_gate": expert(0), "we_up": expert(1), "we_down": expert(2)}
+
+
+
+
+def mixed_layer_tensors(cfg: ModelConfig, tensors: dict) -> dict:
+    """`tensors` (leaf -> reader) with zeros in the layers of the other kind, plus the `sparse` flag."""
+    m = _moe(cfg)
+    if not m.dense_layers:
+        return tensors
+    shapes = moe_param_shapes(cfg)["layers"]
+    out = {}
+    for leaf, src in tensors.items():
+        dense_leaf = leaf in ("w_gate", "w_up", "w_down")
+        moe_leaf = leaf in ("router", "we_gate", "we_up", "we_down") or leaf.startswith("ws_")
+        if not (dense_leaf or moe_leaf):
+            out[leaf] = src
+            continue
+        out[leaf] = _zeros_unless(cfg, src, shapes[leaf][1:], moe_leaf)
+    out["sparse"] = lambda get, prefix: np.float32(m.is_sparse(int(prefix.rstrip(".").rsplit(".", 1)[1])))
+    return out
+
+
+def _zeros_unless(cfg: ModelConfig, src, shape: tuple[int, ...], sparse: bool) -> Callable:
+    def read(get, prefix: str) -> np.ndarray:
+        layer = int(prefix.rstrip(".").rsplit(".", 1)[1])
+        if _moe(cfg).is_sparse(layer) != sparse:
+            return np.zeros(shape, np.float32)
+        if callable(src):
+            return src(get, prefix)
+        name, transpose = src
+        arr = np.asarray(get(prefix + name))
+        return arr.T if transpose else arr
+    return read
+
+
+def _moe(cfg: ModelConfig) -> MoeConfig:
+    if cfg.moe is None:
+        raise ValueError(f"{cfg.architecture}: config has no experts (num_experts)")
+    return cfg.moe
+
+
+def shared_expert_tensors() -> dict:
+    return {"ws_gate": ("mlp.shared_expert.gate_proj.weight", True),
+            "ws_up": ("mlp.shared_expert.up_proj.weight", True),
+            "ws_down": ("mlp.shared_expert.down_proj.weight", True),
+            "ws_router": ("mlp.shared_expert_gate.weight", True)}
+
+

@@ -1,0 +1,102 @@
+"""Which model code serves which HF `architectures` name (vLLM's ModelRegistry role).
+
+    architecture (config.json)   family       module (imported on first use)
+    LlamaForCausalLM             llama        jaxserve.models.llama
+    MistralForCausalLM           mistral      jaxserve.models.llama
+    Qwen2ForCausalLM             qwen2        jaxserve.models.llama
+    Qwen3ForCausalLM             qwen3        jaxserve.models.llama
+    Qwen2MoeForCausalLM          qwen2_moe    jaxserve.models.qwen2_moe
+    Qwen3MoeForCausalLM          qwen3_moe    jaxserve.models.qwen3_moe
+    MixtralForCausalLM           mixtral      jaxserve.models.mixtral
+
+Each module defines `FAMILY`, a `ModelFamily`: the family's config reader (its fields of
+ModelConfig from config.json), its parameter shapes, its weight-name map (our layer leaf ->
+the checkpoint's tensor, or a reader that stacks per-expert tensors), its feed-forward block
+(the part of the layer that differs from Llama's) and the PartitionSpecs of its own leaves.
+The config reader, loader, sizing, sharding and `jaxserve plan` ask this module; adding a
+family is one file plus one line of `_ARCHITECTURES` (or `register_model` from outside).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping
+
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec
+
+    from jaxserve.models.config import ModelConfig
+
+# (tensor name -> host array; raises KeyError when absent)
+TensorGetter = Callable[[str], "np.ndarray"]
+# A layer leaf's source: (name under `model.layers.{i}.`, transpose [out, in] -> [in, out]?), or a
+# reader (get, "model.layers.{i}.") -> the leaf's array for that layer (per-expert tensors stacked).
+TensorSource = "tuple[str, bool] | Callable[[TensorGetter, str], np.ndarray]"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    # config.json -> this family's ModelConfig fields (beyond the common ones read in config.py)
+    config_fields: Callable[[Mapping, str], dict]
+    # ModelConfig -> {"embed": shape, "layers": {leaf: [L, ...] shape}, "final_norm": ..., "lm_head"?}
+    param_shapes: Callable[["ModelConfig"], dict]
+    # ModelConfig -> {layer leaf: TensorSource}
+    layer_tensors: Callable[["ModelConfig"], dict]
+    # (cfg, one layer's params, normed x [T, hidden], dots) -> [T, hidden]: the block after attention
+    ffn: Callable[["ModelConfig", dict, "jax.Array", object], "jax.Array"]
+    # (cfg, tensor_parallel_size) -> {layer leaf: (ok, PartitionSpec, why not)} for the family's own leaves
+    partition_rules: Callable[["ModelConfig", int], dict]
+
+
+_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("llama", "jaxserve.models.llama"),
+    "MistralForCausalLM": ("mistral", "jaxserve.models.llama"),
+    "Qwen2ForCausalLM": ("qwen2", "jaxserve.models.llama"),
+    "Qwen3ForCausalLM": ("qwen3", "jaxserve.models.llama"),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", "jaxserve.models.qwen2_moe"),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", "jaxserve.models.qwen3_moe"),
+    "MixtralForCausalLM": ("mixtral", "jaxserve.models.mixtral"),
+}
+
+
+def register_model(architecture: str, family: str, module: str) -> None:
+    """Serve `architecture` with `module`'s FAMILY (out-of-tree families, as vLLM's register_model)."""
+    _ARCHITECTURES[architecture] = (family, module)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_ARCHITECTURES)
+
+
+def is_supported(architecture: str) -> bool:
+    return architecture in _ARCHITECTURES
+
+
+def family_name(architecture: str) -> str:
+    """The family's short name (llama, qwen3_moe, ...); ValueError for an unknown architecture."""
+    return _entry(architecture)[0]
+
+
+def get_family(architecture: str) -> ModelFamily:
+    """The ModelFamily serving `architecture` (its module imported on first use)."""
+    return importlib.import_module(_entry(architecture)[1]).FAMILY
+
+
+def resolve_architecture(hf: Mapping, source: str = "config.json") -> str:
+    """The first of config.json's `architectures` that is registered; ValueError naming the supported ones."""
+    archs = list(hf.get("architectures") or [])
+    arch = next((a for a in archs if a in _ARCHITECTURES), None)
+    if arch is None:
+        raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
+                         f"supported: {', '.join(_ARCHITECTURES)}")
+    return arch
+
+
+def _entry(architecture: str) -> tuple[str, str]:
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(f"architecture {architecture!r} is not supported; "
+                         f"supported: {', '.join(_ARCHITECTURES)}")
+    return _ARCHITECTURES[architecture]

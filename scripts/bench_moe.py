@@ -1,0 +1,115 @@
+"""One MoE layer (jaxserve/models/moe.py) against two bounds measured in the same run, on XLA.
+
+Shape: Qwen3-30B-A3B's proportions scaled down to fit a 2-core CPU: 128 experts, top-8,
+expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 1, 4, 16, 64, 256.
+
+    moe           moe.moe(x, router, experts): the engine's path choice (gather at T*k <= 32, else sorted)
+    sorted        the sort-by-expert path forced      gather   the gather path forced
+    ragged_dot    jax.lax.ragged_dot on the sorted rows (the candidate not chosen)
+    (a) dense     a dense SwiGLU of the active width (top-k x I) at T rows
+    (b) touched   reading every touched expert's weights once (a dense SwiGLU of width U x I at
+                  1 row, U = experts the batch touches) plus the active FLOPs (a dense SwiGLU of
+                  width k x I at T rows, its time), summed
+
+    .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20]
+
+Targets (issue 38): moe within 1.5x of (a) at 1 and 4 tokens, within 2x of (b) at 64+.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.models import moe
+
+NUM_EXPERTS, TOP_K, WIDTH = 128, 8, 0.375
+TOKENS = (1, 4, 16, 64, 256)
+
+
+def timeit(fn, *args, repeats: int) -> float:
+    """Median seconds of `fn(*args)` (compiled first)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def dense_swiglu(x, wg, wu, wd):
+    return (jax.nn.silu(x @ wg) * (x @ wu)) @ wd
+
+
+def ragged(x, router, ex: moe.Experts):
+    """The expert block through jax.lax.ragged_dot (sorted rows, group sizes)."""
+    ids, weights = moe.route(x, router)
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sizes = jnp.bincount(flat, length=ex.num_experts).astype(jnp.int32)
+    lhs = x[order // k]
+    h = jax.nn.silu(jax.lax.ragged_dot(lhs, ex.w_gate, sizes)) * jax.lax.ragged_dot(lhs, ex.w_up, sizes)
+    y_sorted = jax.lax.ragged_dot(h, ex.w_down, sizes)
+    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+    return jnp.einsum("tkh,tk->th", y, weights)
+
+
+def forced(path: str):
+    def run(x, router, ex):
+        ids, weights = moe.route(x, router)
+        if path == "gather":
+            y = moe._gathered_swiglu(x, ids, ex, None)
+        else:
+            t, k = ids.shape
+            flat = ids.reshape(-1)
+            order = jnp.argsort(flat, stable=True)
+            sizes = jnp.bincount(flat, length=ex.num_experts)
+            y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(moe._sorted_swiglu(x[order // k], sizes, ex, None))
+            y = y.reshape(t, k, -1)
+        return jnp.einsum("tkh,tk->th", y, weights)
+    return run
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args()
+    h, i = args.hidden, int(args.hidden * WIDTH)
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa: E731
+    ex = moe.Experts(w(NUM_EXPERTS, h, i), w(NUM_EXPERTS, h, i), w(NUM_EXPERTS, i, h))
+    router = moe.Router(w(h, NUM_EXPERTS), None, TOP_K, True)
+    active = (w(h, TOP_K * i), w(h, TOP_K * i), w(TOP_K * i, h))
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {h}, {NUM_EXPERTS} experts of "
+          f"width {i}, top-{TOP_K}, float32; median of {args.repeats}")
+    print("| tokens | touched | moe ms | path | (a) dense ms | moe/(a) | (b) ms | moe/(b) | sorted ms | "
+          "gather ms | ragged_dot ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    fns = {"moe": jax.jit(moe.moe), "sorted": jax.jit(forced("sorted")), "gather": jax.jit(forced("gather")),
+           "ragged": jax.jit(ragged)}
+    dense = jax.jit(dense_swiglu)
+    for t in TOKENS:
+        x = jnp.asarray(rng.standard_normal((t, h), np.float32))
+        ids, _ = moe.route(x, router)
+        touched = int(np.unique(np.asarray(ids)).size)
+        times = {name: timeit(f, x, router, ex, repeats=args.repeats)
+                 for name, f in fns.items() if not (name == "gather" and t > 64)}
+        a = timeit(dense, x, *active, repeats=args.repeats)
+        wide = (w(h, touched * i), w(h, touched * i), w(touched * i, h))
+        b = timeit(dense, x[:1], *wide, repeats=args.repeats) + a
+        path = "gather" if t * TOP_K <= moe.GATHER_MAX_ROWS else "sorted"
+        ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
+        print(f"| {t} | {touched} | {ms(times['moe'])} | {path} | {ms(a)} | {times['moe'] / a:.2f} | {ms(b)} | "
+              f"{times['moe'] / b:.2f} | {ms(times['sorted'])} | {ms(times['gather']) if 'gather' in times else '-'} | "
+              f"{ms(times['ragged'])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Tiny random Mixture-of-Experts checkpoints saved by transformers' own classes (bfloat16 weights),
+and transformers' float32 greedy tokens for them: the references of tests/test_moe*.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, tie_word_embeddings=False)
+# name -> (config class, fields); every one has 8 experts so TP 2 splits them with and without EP
+CHECKPOINTS = {
+    # a dense layer between sparse ones (mlp_only_layers), top-k weights not renormalised
+    "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, head_dim=32, mlp_only_layers=[1],
+                                         norm_topk_prob=False)),
+    # the shared expert with its sigmoid gate, renormalised top-k, decoder_sparse_step 1
+    "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                                         norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
+}
+PROMPTS = [[5, 17, 3, 99, 42, 7, 1, 250, 11, 64, 9, 30, 2, 77, 18, 100, 6, 41], [8], [200, 3, 77, 9, 64]]
+MAX_TOKENS = 8
+# the exact float32 configuration (worker/sizing.py)
+EXACT = dict(dtype="float32", kv_cache_dtype="auto", block_size=16, speculative_config={})
+
+
+def save_checkpoint(name: str, out: Path) -> Path:
+    """A random model of CHECKPOINTS[name] saved with save_pretrained in bfloat16."""
+    import torch
+    import transformers
+
+    cls_name, extra = CHECKPOINTS[name]
+    cfg = getattr(transformers, cls_name)(**COMMON, **extra)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():  # larger weights than the default init, so the logits are far from uniform
+        for p in model.parameters():
+            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(out)
+    save_word_tokenizer(out, cfg.vocab_size)
+    return out
+
+
+def save_word_tokenizer(out: Path, vocab_size: int) -> None:
+    """A word-level tokenizer of `vocab_size` words w0 .. w{n-1} (so the server takes text)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0").save_pretrained(out)
+
+
+def hf_greedy(path: Path, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    """transformers' float32 greedy continuation of each prompt (the bfloat16 weights, widened)."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
+                                 min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=None)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def engine_greedy(engine, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    from jaxserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def make_engine(path: Path, **kw):
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=str(path), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                      kv_cache_memory=1 << 20, compilation_cache_dir="", **{**EXACT, **kw})
+    return LLMEngine(args, progress=False)

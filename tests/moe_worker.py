@@ -1,0 +1,53 @@
+"""Greedy tokens of MoE checkpoints under TP 2, TP 2 with expert parallelism and PP 2 (with and
+without EP), in a subprocess with 4 fake CPU devices; one JSON object on the last line.
+
+    python -m tests.moe_worker DIR [DIR ...]      # each DIR a tests/moe_fixtures checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+
+from tests.moe_fixtures import engine_greedy, make_engine
+
+# checkpoint -> [(tensor parallel, pipeline parallel, expert parallel)]: each family under TP 2 with
+# and without EP and under PP 2 (with TP 2 and EP once), split so the suite pays for 4 engines only
+SETTINGS = {"qwen3_moe": [(2, 1, True), (1, 2, False)], "qwen2_moe": [(2, 1, False)], "mixtral": [(2, 2, True)]}
+
+
+def expert_bytes_per_device(engine) -> dict[int, int]:
+    tree = engine.pipeline.params if engine.pipeline is not None else engine.model.params
+    out: dict[int, int] = {}
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, x in leaves:
+        if "we_" in jax.tree_util.keystr(path):
+            for shard in x.addressable_shards:
+                out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
+
+
+def expert_spec(engine) -> str:
+    """The PartitionSpec of the first stage's we_gate [L, E, H, I]."""
+    tree = engine.pipeline.params[0] if engine.pipeline is not None else engine.model.params
+    return str(tuple(getattr(tree["layers"]["we_gate"].sharding, "spec", ())))
+
+
+def main(dirs: list[str]) -> dict:
+    results = {}
+    for d in dirs:
+        for tp, pp, ep in SETTINGS[Path(d).name]:
+            engine = make_engine(Path(d), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                 enable_expert_parallel=ep)
+            tokens = engine_greedy(engine)
+            results[f"{Path(d).name}/tp{tp}/pp{pp}" + ("/ep" if ep else "")] = dict(
+                tokens=tokens, compiles_after_warmup=engine.get_stats().num_compilations_after_warmup,
+                expert_bytes=expert_bytes_per_device(engine), expert_spec=expert_spec(engine))
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1:])))

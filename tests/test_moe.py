@@ -1,0 +1,157 @@
+"""The MoE block (jaxserve/models/moe.py) against a per-expert loop, the model registry, the
+config aliases, and fused expert tensors (transformers >= 5's layout) read like per-expert ones."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.models import moe, registry
+from jaxserve.models.config import ModelConfig
+
+
+def _experts(rng, e=8, h=16, i=12):
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)  # noqa: E731
+    return moe.Experts(w(e, h, i), w(e, h, i), w(e, i, h))
+
+
+def _reference(x, ids, weights, ex):
+    """A Python loop over each token's chosen experts."""
+    x, ids, weights = map(np.asarray, (x, ids, weights))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j, e in enumerate(ids[t]):
+            g, u = x[t] @ np.asarray(ex.w_gate[e]), x[t] @ np.asarray(ex.w_up[e])
+            out[t] += weights[t, j] * ((g / (1 + np.exp(-g)) * u) @ np.asarray(ex.w_down[e]))
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 40, 200])  # gather path (T*k <= 32), sorted path
+@pytest.mark.parametrize("skew", [0.0, 30.0])  # 30: every token chooses expert 0 (several rounds)
+def test_moe_equals_a_loop_over_experts(num_tokens, skew):
+    rng = np.random.default_rng(num_tokens)
+    ex = _experts(rng)
+    x = jnp.asarray(rng.standard_normal((num_tokens, 16)), jnp.float32)
+    bias = jnp.zeros(8).at[0].set(skew)
+    router = moe.Router(jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), bias, top_k=2, norm_topk_prob=True)
+    ids, weights = moe.route(x, router)
+    np.testing.assert_allclose(np.asarray(weights).sum(-1), 1.0, rtol=1e-5)
+    got = jax.jit(moe.moe)(x, router, ex)
+    np.testing.assert_allclose(got, _reference(x, ids, weights, ex), rtol=2e-4, atol=2e-4)
+    if skew and num_tokens >= 40:  # the largest group overflows one round's capacity: nothing dropped
+        sizes = np.bincount(np.asarray(ids).ravel(), minlength=8)
+        assert sizes.max() > moe.capacity(num_tokens * 2, 8, num_tokens * 2)
+
+
+def test_ids_past_the_experts_are_not_computed():
+    """Expert parallelism marks other devices' rows with id E: they come out as 0 on both paths."""
+    rng = np.random.default_rng(0)
+    ex = _experts(rng)
+    for t in (2, 64):
+        x = jnp.asarray(rng.standard_normal((t, 16)), jnp.float32)
+        ids = jnp.asarray(rng.integers(0, 8, (t, 2)), jnp.int32).at[0, 1].set(8)
+        y = moe.expert_swiglu(x, ids, ex)
+        assert np.all(np.asarray(y[0, 1]) == 0) and np.any(np.asarray(y[0, 0]) != 0)
+
+
+def test_router_kinds():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 16)), jnp.float32)
+    w = jnp.asarray(np.random.default_rng(2).standard_normal((16, 8)), jnp.float32)
+    ids, p = moe.route(x, moe.Router(w, None, 3, False))
+    probs = jax.nn.softmax(x @ w, axis=-1)
+    np.testing.assert_allclose(p, jnp.take_along_axis(probs, ids, -1), rtol=1e-6)  # not renormalised
+    ids2, p2 = moe.route(x, moe.Router(w, None, 3, False, "topk_softmax"))
+    assert np.array_equal(ids, ids2)
+    np.testing.assert_allclose(p2, jax.nn.softmax(jnp.take_along_axis(x @ w, ids, -1), -1), rtol=1e-6)
+
+
+def test_registry_maps_every_family():
+    archs = registry.supported_architectures()
+    for arch, name in [("LlamaForCausalLM", "llama"), ("MistralForCausalLM", "mistral"),
+                       ("Qwen2ForCausalLM", "qwen2"), ("Qwen3ForCausalLM", "qwen3"),
+                       ("Qwen3MoeForCausalLM", "qwen3_moe"), ("Qwen2MoeForCausalLM", "qwen2_moe"),
+                       ("MixtralForCausalLM", "mixtral")]:
+        assert arch in archs and registry.family_name(arch) == name
+        fam = registry.get_family(arch)
+        assert callable(fam.ffn) and callable(fam.param_shapes) and callable(fam.layer_tensors)
+    with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM"):
+        registry.get_family("BertModel")
+    with pytest.raises(ValueError, match="config.json: unsupported architecture"):
+        registry.resolve_architecture({"architectures": ["GPT2LMHeadModel"]})
+
+
+HF = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=64, hidden_size=32, intermediate_size=48,
+          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_experts_per_tok=2,
+          moe_intermediate_size=16)
+
+
+@pytest.mark.parametrize("key", ["num_experts", "num_local_experts", "n_routed_experts"])
+def test_num_experts_aliases(key):
+    cfg = ModelConfig.from_hf({**HF, key: 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert cfg.moe.num_experts == 6
+    assert cfg.moe.dense_layers == (0, 2, 3)  # (i + 1) % 2 != 0, and layer 3 listed
+    assert ModelConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg  # `jaxserve convert`'s marker
+    assert cfg.moe.active_intermediate_size == 32
+
+
+def test_missing_experts_is_a_clear_error():
+    with pytest.raises(ValueError, match="missing required field 'num_experts'"):
+        ModelConfig.from_hf(HF)
+
+
+def test_fused_expert_tensors_load_like_per_expert_ones(tmp_path):
+    """transformers >= 5 may write experts as `mlp.experts.gate_up_proj` [E, 2I, H] and
+    `mlp.experts.down_proj` [E, H, I]: the loader detects it and reads the same weights."""
+    pytest.importorskip("torch")
+    from safetensors.numpy import save_file
+
+    from tests.moe_fixtures import save_checkpoint
+    from jaxserve.weights.loader import load_model
+
+    src = save_checkpoint("mixtral", tmp_path / "per_expert")
+    from safetensors import safe_open
+
+    with safe_open(str(src / "model.safetensors"), "flax") as f:
+        tensors = {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
+    fused = {}
+    for name, arr in tensors.items():
+        if ".experts." not in name:
+            fused[name.replace("block_sparse_moe", "mlp")] = arr
+    for layer in range(3):
+        p = f"model.layers.{layer}.block_sparse_moe.experts."
+        gate = np.stack([tensors[f"{p}{e}.w1.weight"] for e in range(8)])
+        up = np.stack([tensors[f"{p}{e}.w3.weight"] for e in range(8)])
+        down = np.stack([tensors[f"{p}{e}.w2.weight"] for e in range(8)])
+        fused[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = np.concatenate([gate, up], axis=1)
+        fused[f"model.layers.{layer}.mlp.experts.down_proj"] = down
+    out = tmp_path / "fused"
+    out.mkdir()
+    save_file(fused, str(out / "model.safetensors"))
+    (out / "config.json").write_text((src / "config.json").read_text())
+    a = load_model(str(src), "float32", progress=False).params["layers"]
+    b = load_model(str(out), "float32", progress=False).params["layers"]
+    assert set(a) == set(b)
+    for leaf in a:
+        np.testing.assert_array_equal(a[leaf], b[leaf], err_msg=leaf)
+
+
+def test_plan_knows_moe_sizes():
+    """`jaxserve plan` on the bundled Qwen3-30B-A3B config: 30.5 B parameters, 3.3 B active (its
+    model card's figures), all of them in memory (bfloat16), half per device at TP 2."""
+    from jaxserve.plan.source import read_model
+    from jaxserve.worker import sizing
+    from tests.test_plan import run_plan
+
+    r = run_plan("Qwen/Qwen3-30B-A3B", "--gpu", "H200", "--max-model-len", "4096")
+    assert round(r["total_params"] / 1e9, 1) == 30.5 and round(r["active_params_per_token"] / 1e9, 1) == 3.4
+    assert r["fits"] and abs(r["weights_bytes_per_device"] - 2 * r["total_params"]) < 1e6
+    cfg = read_model("Qwen/Qwen3-30B-A3B").config
+    assert cfg.moe.num_experts == 128 and cfg.moe.num_experts_per_tok == 8 and cfg.moe.norm_topk_prob
+    one = sizing.weight_bytes_per_device(cfg, 2)
+    from jaxserve.models.config import with_expert_parallel
+    for c in (cfg, with_expert_parallel(cfg, True)):  # TP splits expert widths, EP whole experts: half each
+        assert abs(sizing.weight_bytes_per_device(c, 2, 2) - one / 2) < one * 0.01

@@ -1,0 +1,106 @@
+"""MoE families against transformers: tiny random checkpoints saved by transformers' own classes
+(bfloat16 weights, tests/moe_fixtures.py), greedy tokens equal to transformers' float32 ones with
+the exact float32 flags on one device, under TP 2 with and without --enable-expert-parallel and
+under PP 2 (fake CPU devices, one subprocess: tests/moe_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.moe_fixtures import (CHECKPOINTS, MAX_TOKENS, PROMPTS, engine_greedy, hf_greedy, make_engine,  # noqa: E402
+                                save_checkpoint)
+from tests.moe_worker import SETTINGS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
+    root = tmp_path_factory.mktemp("moe")
+    out = {}
+    for name in CHECKPOINTS:
+        path = save_checkpoint(name, root / name)
+        out[name] = (path, hf_greedy(path))
+    return out
+
+
+@pytest.fixture(scope="module")
+def multi_device(checkpoints) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", *(str(p) for p, _ in checkpoints.values())],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def engines(checkpoints) -> dict:
+    return {}  # name -> the one-device engine (the HTTP test serves qwen3_moe's)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_one_device_greedy_equals_transformers(checkpoints, engines, name):
+    path, reference = checkpoints[name]
+    engine = engines[name] = make_engine(path)
+    cfg = engine.model.config
+    assert cfg.moe is not None and cfg.moe.num_experts == 8
+    if name == "qwen3_moe":  # the features the checkpoint exists for survived config.json
+        assert cfg.moe.dense_layers == (1,) and not cfg.moe.norm_topk_prob and cfg.qk_norm
+    if name == "qwen2_moe":
+        assert cfg.moe.shared_expert_intermediate_size == 48 and cfg.moe.norm_topk_prob and cfg.attention_bias
+    assert engine_greedy(engine) == reference
+    assert engine.get_stats().num_compilations_after_warmup == 0
+
+
+CASES = [f"{name}/tp{tp}/pp{pp}" + ("/ep" if ep else "") for name, s in SETTINGS.items() for tp, pp, ep in s]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_parallel_greedy_equals_transformers(checkpoints, multi_device, case):
+    r = multi_device[case]
+    assert r["tokens"] == checkpoints[case.split("/")[0]][1]
+    assert r["compiles_after_warmup"] == 0
+    sizes = set(r["expert_bytes"].values())
+    if "tp2" in case:  # every device holds half of each stage's expert weights, split on E with EP
+        assert len(sizes) <= 2 and len(r["expert_bytes"]) == (4 if "pp2" in case else 2)
+        assert r["expert_spec"].startswith("(None, 'model'" if case.endswith("/ep") else "(None, None, None, 'model'")
+
+
+def test_served_over_http_with_no_compilation_after_warmup(checkpoints, engines):
+    """`jaxserve serve`'s app on a real uvicorn server in front of the Qwen3-MoE engine: text in (its
+    word-level tokenizer), transformers' greedy tokens out, nothing compiled after warm-up."""
+    import httpx
+
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.api_server import build_app
+    from tests.fake_engine import serve_in_thread
+
+    path, reference = checkpoints["qwen3_moe"]
+    engine = AsyncLLM(engines.pop("qwen3_moe", None) or make_engine(path))
+    try:
+        with serve_in_thread(build_app(engine)) as url:
+            model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+            prompts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
+            resp = httpx.post(f"{url}/v1/completions", timeout=300, json=dict(
+                model=model, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0))
+            assert resp.status_code == 200, resp.text
+            choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
+            assert [c["text"].split() for c in choices] == [[f"w{t}" for t in r] for r in reference]
+            bad = httpx.post(f"{url}/v1/completions", timeout=30, json=dict(model=model, prompt="w1", max_tokens=-1))
+            assert bad.status_code == 400 and "max_tokens" in bad.text
+            metrics = httpx.get(f"{url}/metrics", timeout=30).text
+        assert re.search(r"^jaxserve:xla_compilations_after_warmup_total(\{[^}]*\})? 0\.0$", metrics, re.M), metrics
+        assert engine.get_stats().num_compilations_after_warmup == 0
+    finally:
+        engine.shutdown()
