@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     import numpy as np
     from jax.sharding import PartitionSpec
 
-    from jaxserve.models.config import ModelConfig
+# "ModelConfig" in the annotations below is jaxserve.models.config.ModelConfig, named as a string
+# only: config.py reads this registry, so importing it here (even for type checking) is a cycle.
 
 # (tensor name -> host array; raises KeyError when absent)
 TensorGetter = Callable[[str], "np.ndarray"]
