@@ -53,11 +53,16 @@ class AsyncLLM:
             return DataParallelAsyncLLM.from_engine_args(args)
         return cls(LLMEngine(args))
 
+    @property
+    def lora_manager(self):
+        """The engine's LoRAManager (None without --enable-lora): the server resolves `model` names with it."""
+        return self.engine.lora
+
     def startup_report(self) -> str:
         return self.engine.startup_report()
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
-                       *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, prompt_logprobs: bool = False, lora_request=None) -> AsyncIterator[RequestOutput]:
         if self.errored:
             raise RuntimeError("the engine loop has stopped after an error")
         if sampling_params.use_beam_search:
@@ -66,11 +71,13 @@ class AsyncLLM:
             return
         text, token_ids = self.engine.encode_prompt(prompt)
         self.engine.validate(token_ids, sampling_params)
+        self.engine.check_lora(lora_request)  # reads the adapter here, not on the engine thread
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
+        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params,
+                    lora_request))
         finished = False
         try:
             while not finished:
@@ -143,9 +150,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, prompt, params = msg
+                _, rid, prompt, params, lora_request = msg
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, lora_request=lora_request)
                 except ValueError as e:
                     self._deliver(rid, e)
             else:

@@ -55,13 +55,13 @@ class DataParallelAsyncLLM:
         return "\n".join(f"replica {i}: {r.startup_report()}" for i, r in enumerate(self.replicas))
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
-                       *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, prompt_logprobs: bool = False, lora_request=None) -> AsyncIterator[RequestOutput]:
         i = min(range(len(self.replicas)), key=lambda k: (self.in_flight[k], self.num_served[k]))
         self.in_flight[i] += 1
         self.num_served[i] += 1
         self._owner[request_id] = i
         try:
-            async for out in self.replicas[i].generate(prompt, sampling_params, request_id):
+            async for out in self.replicas[i].generate(prompt, sampling_params, request_id, lora_request=lora_request):
                 yield out
         finally:
             self.in_flight[i] -= 1

@@ -38,6 +38,7 @@ from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
+from jaxserve.entrypoints.openai.serving_lora import lora_routes, model_cards, register_lora_modules
 
 logger = logging.getLogger("jaxserve.api_server")
 M = TypeVar("M", bound=BaseModel)
@@ -120,8 +121,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         return await chat.create(await read_json(request, p.ChatCompletionRequest, max_body_bytes), request)
 
     async def list_models(request: Request) -> Response:
-        card = p.ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)
-        return JSONResponse(p.ModelList(data=[card]).model_dump())
+        return JSONResponse(p.ModelList(data=model_cards(engine)).model_dump())
 
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, p.TokenizeRequest, max_body_bytes)
@@ -173,7 +173,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         Route("/version", _endpoint(version), methods=["GET"]),
         Route("/metrics", _endpoint(metrics_endpoint), methods=["GET"]),
         Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
-    ]
+    ] + lora_routes(engine, read_json, _endpoint, max_body_bytes)
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
@@ -227,6 +227,7 @@ def run_server(config: cli_args.ServeConfig) -> int:
     log_startup(engine, config.engine, time.monotonic() - start)
     try:
         server = config.server
+        register_lora_modules(engine, server.lora_modules)
         app = build_app(engine, api_key=server.api_key, chat_template=config.engine.chat_template,
                         max_body_bytes=server.max_request_body_bytes,
                         trust_request_chat_template=server.trust_request_chat_template,

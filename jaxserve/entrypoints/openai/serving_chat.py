@@ -98,8 +98,9 @@ class ServingChat(BaseServing):
             raise OpenAIError(f"Cannot apply the chat template: {exc}", param="messages") from None
         return self.encode(str(text), add_special_tokens=False)
 
-    def _check(self, req: ChatCompletionRequest) -> None:
-        self.check_model(req.model)
+    def _check(self, req: ChatCompletionRequest):
+        """The request's LoRARequest (None: the base model), or an OpenAIError."""
+        lora = self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.chat_template is not None and not self.trust_request_chat_template:
@@ -108,13 +109,14 @@ class ServingChat(BaseServing):
         if req.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIError('tool_choice: "auto" needs the server to run with --enable-auto-tool-choice and '
                               "--tool-call-parser", param="tool_choice")
+        return lora
 
     def _auto_tools(self, req: ChatCompletionRequest) -> bool:
         """Parse calls from free text: tool_choice auto (explicit, or the default when tools are given)."""
         return bool(req.tools) and self.tool_parser is not None and req.tool_choice in (None, "auto")
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        self._check(req)
+        lora = self._check(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt_ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message, template=req.chat_template,
@@ -127,7 +129,7 @@ class ServingChat(BaseServing):
         params = req.to_sampling_params(max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=req.structured_params(forced_tool_schema(req)))
         request_id = random_id("chatcmpl")
-        streams = [self.stream(prompt_ids, params, request_id)]
+        streams = [self.stream(prompt_ids, params, request_id, lora_request=lora)]
         merged = merge_streams(await prime(streams), streams)
         if req.stream:
             return StreamingResponse(sse_stream(self._events(req, request_id, len(prompt_ids), merged), merged),

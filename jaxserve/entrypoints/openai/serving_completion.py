@@ -22,7 +22,7 @@ from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disc
 
 class ServingCompletion(BaseServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if req.stream and req.best_of is not None and req.best_of != req.n:
@@ -40,7 +40,8 @@ class ServingCompletion(BaseServing):
                 max_tokens, best_of=req.best_of, logprobs=req.logprobs, structured_outputs=structured,
                 prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
                 use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
-            streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs))
+            streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs,
+                                       lora_request=lora))
         firsts = await prime(streams)
         merged = merge_streams(firsts, streams)
         if req.stream:
