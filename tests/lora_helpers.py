@@ -19,20 +19,20 @@ ADAPTERS = {
 }
 LORA_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 NUM_TOKENS = 8
-B_STD = 0.04  # random B (PEFT initialises it to zeros): large enough that every adapter changes the output
+B_STD = 0.1  # random B (PEFT initialises it to zeros): large enough that every adapter changes the output
 
 
 def greedy(model, tokenizer, prompts: list[str], num_tokens: int) -> list[list[int]]:
     import torch
 
-    out = []
+    ids = [tokenizer.encode(p) for p in prompts]  # one left-padded batch, as conftest's hf_greedy
+    width, pad = max(map(len, ids)), tokenizer.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
     with torch.no_grad():
-        for text in prompts:
-            ids = torch.tensor([tokenizer.encode(text)])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
-                                 do_sample=False, pad_token_id=tokenizer.eos_token_id)
-            out.append(gen[0, ids.shape[1]:].tolist())
-    return out
+        gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=num_tokens, do_sample=False,
+                             pad_token_id=pad)
+    return gen[:, width:].tolist()
 
 
 def make_adapters(hf_model, tokenizer, root: Path) -> dict:

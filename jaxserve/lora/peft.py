@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.models.config import ModelConfig
@@ -88,13 +89,35 @@ def check_adapter_config(conf: dict, max_lora_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": ml_dtypes.bfloat16}
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as float32 numpy, read directly (8-byte header size, JSON
+    header, data): no framework, so reading an adapter while serving compiles nothing."""
+    try:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"lora_path: cannot read {path} ({e})") from None
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _ST_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise ValueError(f"lora_path: {path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
+        start, end = entry["data_offsets"]
+        data = np.fromfile(path, np.uint8, count=end - start, offset=8 + size + start)
+        out[name] = data.view(dtype).reshape(entry["shape"]).astype(np.float32)
+    return out
+
+
 def _read_tensors(p: Path) -> dict[str, np.ndarray]:
     st, bin_ = p / "adapter_model.safetensors", p / "adapter_model.bin"
     if st.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(st), framework="flax") as f:  # flax: bfloat16 files too
-            return {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
+        return _read_safetensors(st)
     if bin_.is_file():
         import torch
 

@@ -125,6 +125,8 @@ class ModelRunner:
         self.lora, self.lora_slots = lora, SlotTable(lora.max_loras) if lora is not None else None
         if lora is not None:  # the adapters' stacked slots ride in the params (jaxserve/lora/layers.py)
             self.params = _with_lora_slots(self.params, self.cfg, lora, lora_dtype or self.params["embed"].dtype, mesh)
+            self._write_lora(1, None)  # the slots as the write program leaves them, so every program
+            # compiles for that placement and a later write changes nothing the programs are keyed on
         dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
@@ -200,8 +202,6 @@ class ModelRunner:
             for _, md in variants:
                 _fetch(self._publish(self._sample_step(self.params, hidden, self._input(md))[0]))
                 bar.update(1)
-            if self.lora is not None:  # the slot write: one program for every slot and adapter
-                self._write_lora(1, None)
             pad = np.full(self.copy_width, self.rc.num_blocks, np.int32)
             self.kv = self._copy_blocks(self.kv, np.zeros_like(pad), pad)
             bar.update(1)

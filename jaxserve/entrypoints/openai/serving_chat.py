@@ -180,11 +180,12 @@ class ServingChat(BaseServing):
         num_generated = sum(len(out.token_ids) for out in final.outputs[:req.n])
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
-        return ChatCompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=req.model or self.engine.model_name, choices=choices,
+                                      usage=usage)
 
     async def _events(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        model = self.engine.model_name
+        model = req.model or self.engine.model_name  # an adapter answers under its own name (vLLM)
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))

@@ -114,13 +114,14 @@ class ServingCompletion(BaseServing):
         num_prompt = sum(len(ids) for _, ids in prompts)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
-        return CompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=req.model or self.engine.model_name, choices=choices,
+                                  usage=usage)
 
     async def _events(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}  # choice index -> characters sent
         sent_tokens: dict[int, int] = {}
-        model = self.engine.model_name
+        model = req.model or self.engine.model_name  # an adapter answers under its own name (vLLM)
         num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, output in merged:
             prompt_text, prompt_ids = prompts[p]
