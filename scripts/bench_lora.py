@@ -8,7 +8,8 @@ rank --rank, every projection targeted, random A and B) to a temporary directory
 --max-lora-rank R --lora-modules a0=... a7=...` -- and alternates `jaxserve bench serve` (workload A:
 lognormal, 64 requests, --max-concurrency 32, greedy, --ignore-eos) between them: the base server
 with its own model name, the LoRA server with `--lora-modules a0 .. a7` (each request a random
-adapter). Prints one row per round and the ratio of output tok/s.
+adapter). Prints one row per round and the ratio of output tok/s. --offline: the same requests
+through LLM.generate in one process (two engines, a smaller bucket grid).
 """
 
 from __future__ import annotations
@@ -103,7 +104,11 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--num-adapters", type=int, default=8)
+    ap.add_argument("--offline", action="store_true", help="in one process, no servers (see offline())")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=128, help="--offline's token budget")
     args = ap.parse_args()
+    if args.offline:
+        return offline(args)
     tmp = Path(tempfile.mkdtemp(prefix="bench_lora_"))
     paths = make_adapters(tmp / "adapters", args.num_adapters, args.rank)
     names = [f"a{k}" for k in range(args.num_adapters)]
@@ -123,6 +128,42 @@ def main() -> None:
             p.terminate()
             p.wait(timeout=60)
     print(f"logs and results in {tmp}")
+
+
+
+
+def offline(args: argparse.Namespace) -> None:
+    """In one process (no HTTP, a smaller bucket grid, so two warm-ups fit a shared 2-core machine):
+    workload A's requests (log-normal, medians 128 / 128, greedy, ignore_eos) through LLM.generate
+    on a base engine and on a LoRA engine with each request under a random one of the adapters,
+    alternating; output tok/s of each."""
+    from jaxserve import LLM, LoRARequest, SamplingParams
+    from jaxserve.bench.datasets import lognormal_requests
+    from jaxserve.weights.loader import load_model
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_lora_"))
+    paths = make_adapters(tmp / "adapters", args.num_adapters, args.rank)
+    model = load_model(None, dtype="auto", progress=False)
+    flags = dict(max_num_seqs=32, max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=1024)
+    base = LLM(model, progress=False, **flags)
+    lora = LLM(model, progress=False, **flags, enable_lora=True, max_loras=args.num_adapters,
+               max_lora_rank=args.rank)
+    reqs = lognormal_requests(base.get_tokenizer(), args.num_prompts, 128, 128, seed=0)
+    prompts = [{"prompt_token_ids": r.prompt} for r in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True) for r in reqs]
+    rng = np.random.default_rng(1)
+    adapters = [LoRARequest(f"a{k}", k + 1, p) for k, p in enumerate(paths)]
+    picks = [adapters[i] for i in rng.integers(0, len(adapters), len(reqs))]
+    print("| round | base model output tok/s | 8 adapters output tok/s | ratio |\n|---|---:|---:|---:|")
+    for r in range(args.rounds):
+        rates = []
+        for llm, loras in ((base, None), (lora, picks)):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - t0))
+        print(f"| {r + 1} | {rates[0]:.2f} | {rates[1]:.2f} | {rates[1] / rates[0]:.2f}x |", flush=True)
+    print("compilations after warm-up:", base.llm_engine.get_stats().num_compilations_after_warmup,
+          lora.llm_engine.get_stats().num_compilations_after_warmup)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
@@ -124,7 +125,7 @@ class LLM:
         prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
             conv, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             return_dict=False))} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
