@@ -28,7 +28,8 @@ The gather materialises [T, in, R] per projection (50 MB at 512 tokens) and ragg
 on XLA:CPU runs every group over the whole batch plus a sort and scatter; the one-hot
 form is two dense matmuls whose cost grows with max_loras * max_rank (keep those to what
 the deployment needs) and is the fastest at 64+ tokens, the steps that dominate a busy
-server. (A Pallas shrink/expand kernel for GPU decode sizes is the GPU's path.)
+server. (pallas_kernels/lora_shrink_expand.py is a Pallas shrink/expand kernel for GPU decode
+sizes, tested in interpret mode and lowered for cuda; the step does not call it yet.)
 
 Tensor parallelism: a and b follow their projection. Column-parallel (q/k/v/gate/up):
 a replicated, b split on out; row-parallel (o/down): a split on in, b replicated (the
