@@ -2,9 +2,10 @@
 
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxserve.lora.request import LoRARequest
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("L0 core: pure Python, no JAX", ("jaxserve.constants", "jaxserve.core")),
     ("L1.0 kernels and the sampler", ("pallas_kernels", "jaxserve.sample")),
     ("L1.1 weight types and the matmul", ("jaxserve.quantization",)),
-    ("L1.2 models", ("jaxserve.models",)),
+    ("L1.2 models, and the LoRA hook they call", ("jaxserve.models", "jaxserve.lora")),
     ("L1.3 quantization that runs the model", ("jaxserve.quantization.calibrate",
                                                "jaxserve.quantization.quantize")),
     ("L1.4 parallel", ("jaxserve.parallel",)),
@@ -194,15 +194,15 @@ def test_the_checks_catch_what_they_are_for():
         "jaxserve.worker.w": "def f():\n    from jaxserve.engine import llm_engine\n",
         "jaxserve.engine": "",
         "jaxserve.engine.llm_engine": "import jaxserve.worker.w\n",
-        "jaxserve.lora": "",
+        "jaxserve.newpkg": "",
     }
-    graph = import_graph(sources, {"jaxserve.core", "jaxserve.worker", "jaxserve.engine", "jaxserve.lora"})
+    graph = import_graph(sources, {"jaxserve.core", "jaxserve.worker", "jaxserve.engine", "jaxserve.newpkg"})
     assert graph["jaxserve.core.b"] == {"jaxserve.core.a": 1}
     assert layer_violations(graph) == ["jaxserve.worker.w:2: jaxserve.worker.w (L2 worker) imports "
                                        "jaxserve.engine.llm_engine (L3 engine)"]
     assert sorted(cycles(graph)) == [["jaxserve.core.a", "jaxserve.core.b"],
                                      ["jaxserve.engine.llm_engine", "jaxserve.worker.w"]]
-    assert layer_of("jaxserve.lora") is None and layer_of("jaxserve.lora.slots") is None
+    assert layer_of("jaxserve.newpkg") is None and layer_of("jaxserve.newpkg.slots") is None
     assert layer_of("jaxserve") == len(LAYERS) - 1 and layer_of("jaxserve.cli") == len(LAYERS) - 1
     assert layer_of("jaxserve.quantization.quantize") > layer_of("jaxserve.models.llama") \
         > layer_of("jaxserve.quantization.matmul")

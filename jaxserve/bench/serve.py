@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import random
 import time
 from datetime import datetime
 from pathlib import Path
@@ -171,9 +172,11 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.S
                    ignore_eos: bool = False, temperature: float = 0.0, seed: int = 0,
                    headers: dict[str, str] | None = None, progress: bool = True,
                    test_request: bool = True, structured: set[int] = frozenset(),
-                   schema: dict | None = None) -> tuple[list[RequestResult], float, int]:
+                   schema: dict | None = None, models: list[str] | None = None) -> tuple[list[RequestResult], float, int]:
     """Send every request (those at the `structured` indices constrained to `schema`); returns
-    (results in request order, duration s, peak requests in flight)."""
+    (results in request order, duration s, peak requests in flight). `models`: each request names
+    one of them, drawn at random (seeded), as vLLM's bench with --lora-modules; else `model`."""
+    picks = random.Random(seed).choices(models, k=len(requests)) if models else [model] * len(requests)
     chat = endpoint.endswith("/chat/completions")
     url = base_url.rstrip("/") + endpoint
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -190,7 +193,7 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.S
         bar = tqdm(total=len(requests), desc="bench serve", unit="req", disable=not progress)
 
         async def one(i: int, req: ds.SampleRequest) -> RequestResult:
-            payload = build_payload(endpoint, model, req, ignore_eos, temperature,
+            payload = build_payload(endpoint, picks[i], req, ignore_eos, temperature,
                                     schema if i in structured else None)
             if sem is not None:
                 await sem.acquire()
@@ -249,7 +252,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     results, duration, peak = asyncio.run(run_load(
         base_url, args.endpoint, model, requests, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
-        seed=args.seed, headers=headers, progress=not args.disable_tqdm, structured=structured, schema=schema))
+        seed=args.seed, headers=headers, progress=not args.disable_tqdm, structured=structured, schema=schema,
+        models=getattr(args, "lora_modules", None) or getattr(args, "models", None)))
     metrics = calculate_metrics(results, duration, percentile_metrics=tuple(args.percentile_metrics.split(",")),
                                 percentiles=tuple(float(q) for q in args.metric_percentiles.split(",")),
                                 goodput_slos_ms=slos)
@@ -330,6 +334,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     p.add_argument("--model", default=None, help="model name sent to the server (default: the first of /v1/models)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                   help="each request names one of these adapters, at random (vLLM's bench)")
+    p.add_argument("--models", nargs="+", default=None, metavar="NAME",
+                   help="each request names one of these models, at random (same as --lora-modules)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default=None, metavar="default|FILE.gguf|DIR",
                    help="build the prompts with this local tokenizer (never downloaded), so every server gets "

@@ -32,18 +32,20 @@ class BlockHash(NamedTuple):
     token_ids: tuple[int, ...]
 
 
-def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...]) -> BlockHash:
-    parent_value = parent.hash_value if parent is not None else 0
+def hash_block_tokens(parent: BlockHash | None, token_ids: tuple[int, ...], extra_key: int = 0) -> BlockHash:
+    """extra_key: what besides the tokens decides the KV (a LoRA adapter's id; 0: the base model),
+    mixed into the first block's hash and so into the whole chain."""
+    parent_value = parent.hash_value if parent is not None else (hash(("lora", extra_key)) if extra_key else 0)
     return BlockHash(hash((parent_value, token_ids)), token_ids)
 
 
 def hash_request_blocks(token_ids: list[int], block_size: int,
-                        start: list[BlockHash] | None = None) -> list[BlockHash]:
+                        start: list[BlockHash] | None = None, extra_key: int = 0) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, extending `start` (already hashed)."""
     hashes = list(start or [])
     for i in range(len(hashes), len(token_ids) // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+        hashes.append(hash_block_tokens(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), extra_key))
     return hashes
 
 

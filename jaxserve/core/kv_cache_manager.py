@@ -35,6 +35,7 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[int]] = {}
         self.req_to_cpu_blocks: dict[str, list[int]] = {}
         self._block_hashes: dict[str, list[BlockHash]] = {}
+        self._extra_keys: dict[str, int] = {}  # request id -> its LoRA adapter id, when not the base model
         # Leading blocks of each request already offered to the prefix cache.
         self._num_offered: dict[str, int] = {}
 
@@ -58,8 +59,15 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     # -- prefix cache -------------------------------------------------------
+    def set_extra_key(self, request_id: str, extra_key: int) -> None:
+        """Key the request's cached blocks by `extra_key` too (its LoRA adapter): the same tokens
+        under another adapter have other KV, so they never share blocks."""
+        if extra_key:
+            self._extra_keys[request_id] = extra_key
+
     def _hashes(self, request_id: str, token_ids: list[int]) -> list[BlockHash]:
-        hashes = hash_request_blocks(token_ids, self.block_size, self._block_hashes.get(request_id))
+        hashes = hash_request_blocks(token_ids, self.block_size, self._block_hashes.get(request_id),
+                                     self._extra_keys.get(request_id, 0))
         self._block_hashes[request_id] = hashes
         return hashes
 
@@ -150,6 +158,7 @@ class KVCacheManager:
         """Drop per-request hash memo once the request is gone for good."""
         self.free(request_id)
         self._block_hashes.pop(request_id, None)
+        self._extra_keys.pop(request_id, None)
 
     # -- swap ---------------------------------------------------------------
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:

@@ -69,6 +69,9 @@ class Request:
     stop_reason: int | str | None = None
     # Prompt tokens served by the prefix cache at the first admission.
     num_cached_tokens: int = 0
+    # The LoRA adapter it runs under (LoRARequest.lora_int_id); 0: the base model. The scheduler
+    # keeps at most max_loras distinct adapters in a step, and the prefix cache keys blocks by it.
+    lora_int_id: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

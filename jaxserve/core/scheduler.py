@@ -23,7 +23,14 @@ own first token. With `speculative` set, a greedy decoding request may carry
 n-gram drafts after its last token (spec_decode.py); `update()` keeps those the
 model agreed with and leaves `num_computed_tokens` short of the rest (their KV
 slots are written again later). With steps in flight (async scheduling, pipeline
-stages), core/in_flight.py says what may be scheduled. Pure Python, no JAX.
+stages), core/in_flight.py says what may be scheduled.
+
+LoRA (`max_loras` > 0): a step carries requests of at most max_loras distinct adapters
+(the runner's device slots; the base model, id 0, takes none). Running requests of another
+adapter sit the step out (the oldest go first, so the set changes as they finish); a
+waiting request whose adapter does not fit is passed over, and from then on only
+base-model requests are admitted past it, so the adapters in the step drain and it is
+never starved. Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ class Scheduler:
         self._in_flight: dict[int, list[Request]] = {}  # id(SchedulerOutput) -> its requests, until update
         self._ended_unscheduled: list[RequestUpdate] = []  # aborted at admission (grammar), for update()
         self._step_max_seqs = config.max_num_seqs  # requests the step being scheduled may take
+        self._step_loras: set[int] = set()  # LoRA adapters of the step being scheduled
 
     # -- admission ----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -79,6 +87,8 @@ class Scheduler:
             raise ValueError(f"request_id {rid!r} is already in use")
         if num_prompt == 0:
             raise ValueError("prompt must contain at least one token")
+        if request.lora_int_id and not cfg.max_loras:
+            raise ValueError("lora_request: LoRA is not enabled (enable_lora=True)")
         if num_prompt >= cfg.max_model_len:
             raise ValueError(f"prompt is {num_prompt} tokens long but max_model_len is "
                              f"{cfg.max_model_len}; it must be shorter to leave room for output")
@@ -90,6 +100,7 @@ class Scheduler:
                              f"{max_blocks} KV blocks but the pool has only {cfg.num_blocks}")
         self.structured.add_request(rid, request.sampling_params)  # compiles its grammar, if any
         request.status = RequestStatus.WAITING
+        self.kv.set_extra_key(rid, request.lora_int_id)  # the prefix cache keys blocks by adapter
         self.requests[rid] = request
         self._order[rid] = (request.arrival_time, self._num_added)
         self._num_added += 1
@@ -167,6 +178,7 @@ class Scheduler:
         self._step_max_seqs = in_flight.seqs_this_step(self.config, self.running,
                                                       self._num_waiting() + len(self.swapped), len(self._in_flight))
         out = SchedulerOutput()
+        self._step_loras = set()
         preempted = self._schedule_running(out)
         if not preempted:
             self._schedule_swapped(out)
@@ -185,6 +197,11 @@ class Scheduler:
     def _room(self, out: SchedulerOutput, budget: int) -> bool:
         return budget > 0 and len(out.scheduled) < self._step_max_seqs
 
+    def _lora_fits(self, req: Request) -> bool:
+        """The request's adapter is the base model, already in this step, or has a free slot."""
+        lora_id = req.lora_int_id
+        return not lora_id or lora_id in self._step_loras or len(self._step_loras) < self.config.max_loras
+
     def _schedule_running(self, out: SchedulerOutput) -> bool:
         """Returns True if anything was preempted."""
         budget = self.config.max_num_batched_tokens
@@ -193,6 +210,9 @@ class Scheduler:
         preempted, i = False, 0
         while i < len(self.running) and self._room(out, budget):
             req = self.running[i]
+            if not self._lora_fits(req):  # another adapter's turn: this one sits the step out
+                i += 1
+                continue
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget) if in_flight.may_schedule(
                 req, self.config) else 0
             if num_new <= 0:
@@ -234,7 +254,7 @@ class Scheduler:
         budget = self._budget_left(out)
         while self.swapped and self._room(out, budget) and len(self.running) < self.config.max_num_seqs:
             req = self.swapped[0]
-            if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
+            if req.num_output_placeholders or not self._lora_fits(req):  # (placeholders: its update comes first)
                 break
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
             if num_new <= 0:
@@ -252,11 +272,21 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         budget = self._budget_left(out)
         caching = self.config.enable_prefix_caching
+        passed_over: list[Request] = []  # waiting requests whose adapter has no slot this step
+        try:
+            self._admit_waiting(out, budget, caching, passed_over)
+        finally:
+            self.waiting.extendleft(reversed(passed_over))
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, caching: bool, passed_over: list[Request]) -> None:
         while (self.waiting and self._room(out, budget) and len(self.running) < self.config.max_num_seqs
                and self.structured.rotate_compiling(self.waiting)):  # a request waits for its grammar
             req = self.waiting[0]
             if req.num_output_placeholders:  # preempted with a step in flight: its update comes first
                 break
+            if passed_over and req.lora_int_id or not self._lora_fits(req):
+                passed_over.append(self.waiting.popleft())  # behind a passed-over one: base-model requests only
+                continue
             rid = req.request_id
             error = self.structured.grammar_error(rid)
             if error is not None:  # its grammar did not compile: the request ends, the rest go on
@@ -302,7 +332,9 @@ class Scheduler:
             sample=start + num_new == req.num_tokens, num_drafts=len(drafts),
             sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
             num_output_tokens=req.num_output_tokens + req.num_output_placeholders,
-            output_token_ids=req.output_token_ids if params.needs_penalties else []))
+            output_token_ids=req.output_token_ids if params.needs_penalties else [], lora_int_id=req.lora_int_id))
+        if req.lora_int_id:
+            self._step_loras.add(req.lora_int_id)
         self.num_prompt_tokens += max(0, min(start + num_new, req.num_prompt_tokens) - start)
         # The step is as good as done for the next schedule(): its KV will be on the device first.
         req.num_computed_tokens = start + num_new
@@ -390,7 +422,10 @@ class Scheduler:
         counters = {name: getattr(self, name) for name in (
             "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "spec_num_drafts", "spec_num_draft_tokens",
             "spec_num_accepted_tokens", "num_prompt_tokens", "num_generation_tokens")}
+        waiting = list(self.waiting) + [r for c in self.pending_forks.values() for r in c] + self.swapped
         return SchedulerStats(
             num_running=len(self.running), num_swapped=len(self.swapped),
             num_waiting=self._num_waiting(),
+            running_lora_ids=tuple(sorted({r.lora_int_id for r in self.running if r.lora_int_id})),
+            waiting_lora_ids=tuple(sorted({r.lora_int_id for r in waiting if r.lora_int_id})),
             kv_cache_usage=self.kv.usage, cpu_cache_usage=self.kv.cpu_usage, **counters)

@@ -39,6 +39,8 @@ class SchedulerConfig:
     # in flight). A request with a step in flight then waits for its update, and a step takes its
     # share of the runnable requests: ceil(runnable / free slots). 1: no pipeline.
     pipeline_depth: PositiveInt = 1
+    # LoRA: distinct adapters one step may carry (the runner's device slots); 0: LoRA is off
+    max_loras: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _check_together(self) -> "SchedulerConfig":
@@ -70,6 +72,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int] = field(default_factory=list)  # prompt logprob targets, penalties
     num_output_tokens: int = 0  # before this step: the sampling step index and min_tokens
     output_token_ids: list[int] = field(default_factory=list)  # the penalties' history
+    lora_int_id: int = 0  # the request's LoRA adapter (LoRARequest.lora_int_id); 0: the base model
 
 
 @dataclass
@@ -144,3 +147,5 @@ class SchedulerStats:
     spec_num_accepted_tokens: int = 0  # cumulative, drafts the model agreed with
     num_prompt_tokens: int = 0  # cumulative, prompt tokens computed (recomputes included)
     num_generation_tokens: int = 0  # cumulative, output tokens accepted
+    running_lora_ids: tuple[int, ...] = ()  # LoRA adapters of the running requests
+    waiting_lora_ids: tuple[int, ...] = ()  # LoRA adapters of the waiting requests

@@ -19,6 +19,8 @@ from jaxserve.core.validation import config_dataclass
 
 __all__ = ["EngineArgs", "ATTENTION_BACKENDS", "DTYPES", "KV_CACHE_DTYPES", "PREEMPTION_MODES", "QUANTIZATIONS"]
 Positive = Annotated[int, Field(ge=1)]
+LoRARank = Literal[8, 16, 32, 64, 128, 256, 320, 512]  # vLLM's --max-lora-rank choices
+LoRADtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 @config_dataclass()
@@ -79,6 +81,13 @@ class EngineArgs:
     runner: Literal["auto", "generate", "pooling"] = "auto"
     convert: Literal["auto", "embed", "classify"] = "auto"
     override_pooler_config: dict | None = None
+    # Multi-LoRA (jaxserve/lora, docs/lora.md), as vLLM: adapters in max_loras device slots of
+    # max_lora_rank, max_cpu_loras host copies (None: max_loras); lora_dtype auto: the model's.
+    enable_lora: bool = False
+    max_loras: Positive = 1
+    max_lora_rank: LoRARank = 16
+    max_cpu_loras: Positive | None = None
+    lora_dtype: LoRADtype = "auto"
 
     @model_validator(mode="after")
     def _check_together(self) -> "EngineArgs":
@@ -92,6 +101,10 @@ class EngineArgs:
         if self.coordinator is not None and not self.coordinator.rpartition(":")[2].isdigit():
             raise ValueError(f"coordinator must be ADDR:PORT, got {self.coordinator!r}")
         SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora: not supported with pipeline_parallel_size > 1")
         return self
 
     @classmethod

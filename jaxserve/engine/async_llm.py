@@ -65,11 +65,16 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self.dead_error is not None
 
+    @property
+    def lora_manager(self):
+        """The engine's LoRAManager (None without --enable-lora): the server resolves `model` names with it."""
+        return self.engine.lora
+
     def startup_report(self) -> str:
         return self.engine.startup_report()
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
-                       *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, prompt_logprobs: bool = False, lora_request=None) -> AsyncIterator[RequestOutput]:
         if self.dead_error is not None:
             raise self.dead_error
         if sampling_params.use_beam_search:
@@ -78,6 +83,7 @@ class AsyncLLM:
             return
         text, token_ids = self.engine.encode_prompt(prompt)
         self.engine.validate(token_ids, sampling_params)
+        self.engine.check_lora(lora_request)  # reads the adapter here, not on the engine thread
         if request_id in self._streams:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
@@ -86,7 +92,8 @@ class AsyncLLM:
                 raise self.dead_error
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._queued.add(request_id)
-        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params))
+        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params,
+                    lora_request))
         finished = False
         try:
             while not finished:
@@ -175,9 +182,9 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if msg[0] == "add":
-                _, rid, prompt, params = msg
+                _, rid, prompt, params, lora_request = msg
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, lora_request=lora_request)
                 except ValueError as e:
                     self._deliver(rid, e)
                 except Exception as e:  # noqa: BLE001  (this request's own input failed: it alone ends)
@@ -244,13 +251,13 @@ class DataParallelAsyncLLM:
         return "\n".join(f"replica {i}: {r.startup_report()}" for i, r in enumerate(self.replicas))
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
-                       *, prompt_logprobs: bool = False) -> AsyncIterator[RequestOutput]:
+                       *, prompt_logprobs: bool = False, lora_request=None) -> AsyncIterator[RequestOutput]:
         i = min(range(len(self.replicas)), key=lambda k: (self.in_flight[k], self.num_served[k]))
         self.in_flight[i] += 1
         self.num_served[i] += 1
         self._owner[request_id] = i
         try:
-            async for out in self.replicas[i].generate(prompt, sampling_params, request_id):
+            async for out in self.replicas[i].generate(prompt, sampling_params, request_id, lora_request=lora_request):
                 yield out
         finally:
             self.in_flight[i] -= 1

@@ -93,7 +93,8 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
             preemption_mode=a.preemption_mode, num_cpu_blocks=self.num_cpu_blocks, speculative=self.speculative,
-            pipeline_depth=a.pipeline_parallel_size if self.async_scheduling else 1)
+            pipeline_depth=a.pipeline_parallel_size if self.async_scheduling else 1,
+            max_loras=a.max_loras if a.enable_lora else 0)
 
     @property
     def max_steps_in_flight(self) -> int:

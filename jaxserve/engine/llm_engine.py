@@ -45,6 +45,8 @@ from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
 from jaxserve.weights.source import describe_model
+from jaxserve.lora.manager import LoRAManager
+from jaxserve.lora.request import LoRARequest
 
 PromptType = str | list[int] | dict
 
@@ -112,7 +114,10 @@ class LLMEngine:
         self.num_gpu_blocks, self.num_cpu_blocks = self.config.num_gpu_blocks, self.config.num_cpu_blocks
         self.scheduler = Scheduler(self.config.scheduler_config(),
                                    StructuredOutputManager(self.tokenizer, cfg.vocab_size, self.eos_token_ids))
-        self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline)
+        self.lora = (LoRAManager(cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
+                     if args.enable_lora else None)
+        lora_dtype = None if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
+        self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         self.runner.warmup(progress)
@@ -250,10 +255,22 @@ class LLMEngine:
         if params.structured_outputs is not None:
             validate_structured_outputs(params.structured_outputs)
 
+    def check_lora(self, lora_request: LoRARequest | None) -> int:
+        """The request's adapter id (0: none), its adapter read and checked; ValueError naming the field."""
+        if lora_request is None:
+            return 0
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request: expected a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError("lora_request: LoRA is not enabled; start the engine with enable_lora=True")
+        self.lora.add(lora_request)
+        return lora_request.lora_int_id
+
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None) -> None:
         self._check_open()
         params = params or SamplingParams()
+        lora_id = self.check_lora(lora_request)
         if request_id in self.outputs.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, token_ids = self.encode_prompt(prompt)
@@ -266,7 +283,8 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         for i, child_id in enumerate(child_ids):
             self.scheduler.add_request(Request(child_id, list(token_ids), params, arrival, eos_token_ids=eos,
-                                               parent_id=child_ids[0] if i else None, seed=base_seed + i))
+                                               parent_id=child_ids[0] if i else None, seed=base_seed + i,
+                                               lora_int_id=lora_id))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         outputs = []
@@ -321,7 +339,12 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         compiles = num_compilations()
-        return EngineStats(**dataclasses.asdict(self.scheduler.stats()), num_compilations=compiles,
+        stats = self.scheduler.stats()
+        names = (lambda ids: tuple(self.lora.name_of(i) for i in ids)) if self.lora else (lambda ids: ())
+        return EngineStats(**dataclasses.asdict(stats), num_compilations=compiles,
+                           running_lora_adapters=names(stats.running_lora_ids),
+                           waiting_lora_adapters=names(stats.waiting_lora_ids),
+                           max_lora=self.lora.max_loras if self.lora else 0,
                            num_compilations_after_warmup=compiles - self.compilations_at_warmup,
                            num_gpu_blocks=self.num_gpu_blocks, num_cpu_blocks=self.num_cpu_blocks)
 

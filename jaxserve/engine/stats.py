@@ -16,3 +16,7 @@ class EngineStats(SchedulerStats):
     num_compilations_after_warmup: int = 0
     num_gpu_blocks: int = 0
     num_cpu_blocks: int = 0
+    # vLLM's vllm:lora_requests_info: the adapters' names (running_lora_ids / waiting_lora_ids), the slots
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0

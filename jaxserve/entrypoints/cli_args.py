@@ -40,6 +40,8 @@ class ServerArgs:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls with tool_call_parser
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None  # qwen3: <think>...</think> goes to message.reasoning
+    # --lora-modules name=path or '{"name": ..., "path": ..., "base_model_name": ...}' (needs --enable-lora)
+    lora_modules: tuple | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -113,6 +115,12 @@ _HELP = {
     "enable_auto_tool_choice": "tool_choice auto: parse tool calls from the model's text (needs --tool-call-parser)",
     "tool_call_parser": "the model's tool-call format for tool_choice auto",
     "reasoning_parser": "split the model's <think> part into message.reasoning",
+    "enable_lora": "serve LoRA adapters (PEFT directories) on the base model, batched together",
+    "max_loras": "adapters in one batch (device slots)",
+    "max_lora_rank": "the largest adapter rank (slots are padded to it)",
+    "max_cpu_loras": "adapters kept in host memory (None: max_loras)",
+    "lora_dtype": "the adapters' device dtype; auto: the model's",
+    "lora_modules": "adapters served at start-up: name=path or JSON {\"name\", \"path\", \"base_model_name\"}",
 }
 # Flags whose values are a set: EngineArgs' `Literal` fields add theirs (_field_types).
 _CHOICES: dict[str, tuple] = {"uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),
@@ -149,6 +157,10 @@ def _add_fields(group: argparse._ArgumentGroup, specs: dict[str, tuple[type, boo
                 skip: tuple[str, ...] = ()) -> None:
     for name, (kind, _, default) in specs.items():
         if name in skip:
+            continue
+        if kind is tuple:  # --lora-modules: several values
+            group.add_argument("--" + name.replace("_", "-"), nargs="+", default=argparse.SUPPRESS,
+                               help=_HELP.get(name, name))
             continue
         flag = "--" + name.replace("_", "-")
         help_text = f"{_HELP.get(name, name.replace('_', ' '))} (default: {default})"
@@ -191,6 +203,8 @@ def _check_value(source: str, name: str, value: object, spec: tuple[type, bool, 
         ok = isinstance(value, bool)
     elif kind in (int, float):
         ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    elif kind is tuple and isinstance(value, list):
+        value, ok = tuple(value), True
     else:
         ok = isinstance(value, kind)
     if not ok:
@@ -232,6 +246,8 @@ def resolve(ns: argparse.Namespace) -> ServeConfig:
             raise ConfigError(f"model given twice: {tag!r} and --model {explicit['model']!r}")
         explicit["model"] = tag
     values.update(explicit)
+    if values.get("lora_modules") is not None:
+        values["lora_modules"] = tuple(values["lora_modules"])
     try:
         engine = EngineArgs(**{k: v for k, v in values.items() if k in ENGINE_FIELDS})
         server = ServerArgs(**{k: v for k, v in values.items() if k in SERVER_FIELDS})

@@ -14,6 +14,7 @@ from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.weights.loader import LoadedModel
+from jaxserve.lora.request import LoRARequest
 
 
 def _is_pooling(args: EngineArgs) -> bool:
@@ -89,7 +90,9 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None) per prompt, as vLLM."""
         if getattr(self.llm_engine, "runner", "generate") == "pooling":
             raise ValueError("runner: generate() needs a generative model; this LLM runs runner='pooling' "
                              "(use embed, score or classify)")
@@ -103,7 +106,15 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: {len(loras)} given for {len(prompts)} prompts")
         beam = [i for i, p in enumerate(params) if p.use_beam_search]
+        if beam and any(loras):
+            raise ValueError("lora_request: not supported with beam search")
         if beam:
             plain = [i for i in range(len(prompts)) if i not in set(beam)]
             results = dict(zip(beam, self.beam_search([prompts[i] for i in beam], [params[i] for i in beam])))
@@ -114,9 +125,9 @@ class LLM:
         engine = self.llm_engine
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, p, lora_request=lora)
                 ids.append(rid)
         except ValueError:
             engine.abort_request(ids)
@@ -159,7 +170,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
@@ -167,7 +179,7 @@ class LLM:
         prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
             conv, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
             return_dict=False))} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from typing import Mapping
 
 from jaxserve.models import attention, registry
+from jaxserve.lora import layers as lora
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
@@ -52,15 +53,18 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
-                inv_freq: jax.Array, dots: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                inv_freq: jax.Array, dots: jnp.dtype | None = None,
+                lora_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's q [T, nq, hd], k, v [T, nkv, hd] from its normed input: projections, biases,
-    q/k norms and rope (float or quantized weights; `dots`: see run_layers)."""
+    q/k norms and rope (float or quantized weights; `dots`: see run_layers; `lora_mask`: the
+    step's adapters, jaxserve/lora/layers.py)."""
     num_tokens = x.shape[0]
     if "wqkv" in lp:  # fused layout (int8): one dot
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = jnp.split(matmul(x, lp["wqkv"], dots), [nq, nq + nkv], axis=-1)
     else:
         q, k, v = matmul(x, lp["wq"], dots), matmul(x, lp["wk"], dots), matmul(x, lp["wv"], dots)
+    q, k, v = (lora.add(y, lp, name, x, lora_mask) for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -75,9 +79,10 @@ def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
 def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x: jax.Array,
                      positions: jax.Array, kv: tuple[jax.Array, jax.Array], md: AttentionMetadata,
                      layer: jax.Array, inv_freq: jax.Array,
-                     dots: jnp.dtype | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                     dots: jnp.dtype | None = None,
+                     lora_mask: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     num_tokens = x.shape[0]
-    q, k, v = project_qkv(cfg, lp, x, positions, inv_freq, dots)
+    q, k, v = project_qkv(cfg, lp, x, positions, inv_freq, dots, lora_mask)
     if "k_scale" in lp:  # a checkpoint's fp8 KV scales: the pool holds k / k_scale and v / v_scale
         k, v, q = k / lp["k_scale"], v / lp["v_scale"], q * lp["k_scale"]
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
@@ -85,28 +90,34 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
                            sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
     if "v_scale" in lp:
         out = out * lp["v_scale"].astype(out.dtype)
-    return matmul(out.reshape(num_tokens, -1), lp["wo"], dots), (k_cache, v_cache)
+    out = out.reshape(num_tokens, -1)
+    return lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_mask), (k_cache, v_cache)
 
 
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
             token_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
-            backend: str = "xla", bf16_dots_from: int = 0) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+            backend: str = "xla", bf16_dots_from: int = 0,
+            lora_slots: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """One ragged batch through the decoder.
 
     token_ids, positions: [num_tokens] i32. kv_cache: (K, V), each
     [num_layers, num_kv_heads, num_blocks, block_size, head_dim], carried through
     the layer scan and updated in place (one scatter per layer) when donated.
     Returns the new cache and the final-normed hidden states [num_tokens, hidden].
-    bf16_dots_from: see run_layers.
+    bf16_dots_from: see run_layers. lora_slots [T] i32: each token's adapter slot (0: none), used when
+    the params carry LoRA slots (params["lora_owner"], jaxserve/lora/layers.py).
     """
     h = params["embed"][token_ids]  # [T, hidden]
-    kv_cache, h = run_layers(params["layers"], cfg, kv_cache, h, positions, md, backend, bf16_dots_from)
+    mask = lora.slot_mask(lora_slots, params["lora_owner"]) if lora_slots is not None and "lora_owner" in params \
+        else None
+    kv_cache, h = run_layers(params["layers"], cfg, kv_cache, h, positions, md, backend, bf16_dots_from, mask)
     return kv_cache, rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 
 def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], h: jax.Array,
                positions: jax.Array, md: AttentionMetadata,
-               backend: str = "xla", bf16_dots_from: int = 0) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+               backend: str = "xla", bf16_dots_from: int = 0,
+               lora_mask: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """The residual stream h [T, hidden] through the stacked `layers` (leading axis n) and their
     cache (K, V each [n, ...]); a pipeline stage calls it with its own slice of both.
     bf16_dots_from > 0: a batch of that many tokens or more takes its float projections as
@@ -122,9 +133,16 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
         lp, layer = xs
         attn_out, (k_cache, v_cache) = _attention_block(
             cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
-            (k_cache, v_cache), md, layer, inv_freq, dots)
+            (k_cache, v_cache), md, layer, inv_freq, dots, lora_mask)
         h = h + attn_out
-        h = h + ffn(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), dots)
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+        if lora_mask is None:
+            h = h + ffn(cfg, lp, x, dots)
+        elif ffn is dense_mlp:
+            h = h + dense_mlp(cfg, lp, x, dots, lora_mask=lora_mask)
+        else:
+            raise ValueError(f"enable_lora: LoRA adapters are supported on dense models; {cfg.architecture} "
+                             "is a mixture of experts")
         return (h, k_cache, v_cache), None
 
     num_layers = jax.tree.leaves(layers)[0].shape[0]
@@ -134,13 +152,17 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
 
 
 def dense_mlp(cfg: ModelConfig, lp: dict, x: jax.Array, dots: jnp.dtype | None = None,
-              prefix: str = "w") -> jax.Array:
-    """SwiGLU: x [T, hidden] -> [T, hidden] through lp[prefix + "_gate" / "_up" / "_down"]."""
+              prefix: str = "w", lora_mask: jax.Array | None = None) -> jax.Array:
+    """SwiGLU: x [T, hidden] -> [T, hidden] through lp[prefix + "_gate" / "_up" / "_down"], plus the
+    step's LoRA deltas (lora_mask: jaxserve/lora/layers.py) when it has adapters."""
     if prefix + "_gate_up" in lp:  # fused layout (int8): one dot
         gate, up = jnp.split(matmul(x, lp[prefix + "_gate_up"], dots), 2, axis=-1)
     else:
         gate, up = matmul(x, lp[prefix + "_gate"], dots), matmul(x, lp[prefix + "_up"], dots)
-    return matmul(jax.nn.silu(gate) * up, lp[prefix + "_down"], dots)
+    gate = lora.add(gate, lp, prefix + "_gate", x, lora_mask)
+    up = lora.add(up, lp, prefix + "_up", x, lora_mask)
+    act = jax.nn.silu(gate) * up
+    return lora.add(matmul(act, lp[prefix + "_down"], dots), lp, prefix + "_down", act, lora_mask)
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:

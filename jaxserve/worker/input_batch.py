@@ -31,6 +31,8 @@ class StepInput:
     # (a decode input still on the device), else -1
     prev_rows: jax.Array
     attn: AttentionMetadata  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
+    # [T] i32, the LoRA slot of each token's adapter (0: the base model, and padding); see jaxserve/lora
+    lora_slots: jax.Array  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
 
 
 def buckets(lo: int, hi: int) -> list[int]:
@@ -126,11 +128,12 @@ def bucket_for(n: int, grid: list[int]) -> int:
 
 def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_blocks_per_seq: int,
          block_size: int, prev_sample_rows: Mapping[str, int] | None = None, *,
-         decode_only: bool = False) -> tuple[StepInput, list[int]]:
+         decode_only: bool = False, lora_slots: Mapping[int, int] | None = None) -> tuple[StepInput, list[int]]:
     """Host-side numpy batch, and the flat rows to sample (in order): each sampling request's last
     token, preceded by its last real token's row and its other drafts' when it carries drafts.
     `prev_sample_rows`: request id -> its row in the previous step's sampled ids, for PLACEHOLDER inputs.
-    decode_only (static in the metadata: its own compiled program) needs is_decode_only(out)."""
+    decode_only (static in the metadata: its own compiled program) needs is_decode_only(out).
+    lora_slots: LoRA adapter id -> its device slot, for requests with an adapter (lora_int_id > 0)."""
     if decode_only and not is_decode_only(out) and out.scheduled:
         raise ValueError("decode_only: a scheduled request has more than one new token")
     prev_rows_by_id = prev_sample_rows or {}
@@ -138,6 +141,7 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
     prev_rows = np.full(num_tokens_padded, -1, np.int32)
     positions = np.zeros(num_tokens_padded, np.int32)
     slots = np.full(num_tokens_padded, -1, np.int32)
+    adapter_slots = np.zeros(num_tokens_padded, np.int32)
     kv_lens = np.zeros(max_num_seqs, np.int32)
     tables = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
     cu = np.zeros(max_num_seqs + 1, np.int32)
@@ -152,6 +156,8 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
             tokens[t + n - 1] = 0
             prev_rows[t + n - 1] = prev_rows_by_id[sr.request_id]
         positions[t:t + n] = pos
+        if sr.lora_int_id:
+            adapter_slots[t:t + n] = lora_slots[sr.lora_int_id]
         slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         kv_lens[i] = sr.start_pos + n
         tables[i, :len(blocks)] = blocks
@@ -162,4 +168,4 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
     cu[len(out.scheduled) + 1:] = t
     attn = AttentionMetadata(slot_mapping=slots, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu,
                              num_seqs=np.asarray([len(out.scheduled)], np.int32), decode_only=decode_only)
-    return StepInput(tokens, positions, prev_rows, attn), sample_rows
+    return StepInput(tokens, positions, prev_rows, attn, adapter_slots), sample_rows

@@ -40,6 +40,8 @@ from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerO
 from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
 from jaxserve.quantization.matmul import has_columns
 from jaxserve.weights.loader import LoadedModel
+from jaxserve.lora import layers as lora_layers
+from jaxserve.lora.manager import LoRAManager, SlotTable
 
 PROMPT_LOGPROB_ROWS = 64  # prompt positions per prompt-logprobs program call
 
@@ -78,6 +80,8 @@ class PreparedStep:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block)
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    # (slot, lora id) adapters written into LoRA slots before the step (host arrays from the LoRAManager)
+    lora_writes: list[tuple[int, int]] = field(default_factory=list)
     batch: StepInput | None = None  # numpy leaves, padded to a token bucket; None: no model step
     rows: np.ndarray | None = None  # [P] i32, each sampling request's last flat row, 0 padded
     prompt_logprobs: list[PromptLogprobChunk] = field(default_factory=list)
@@ -88,7 +92,7 @@ class PreparedStep:
 
     @property
     def has_device_work(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy_blocks) or self.batch is not None
+        return bool(self.swap_out or self.swap_in or self.copy_blocks or self.lora_writes) or self.batch is not None
 
 
 @dataclass
@@ -113,13 +117,19 @@ class PendingStep:
 
 
 class ModelRunner:
-    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None, pipeline=None) -> None:
+    def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None, pipeline=None,
+                 lora: LoRAManager | None = None, lora_dtype=None) -> None:
         self.model, self.rc, self.cfg = model, rc, model.config
         # sharded over `mesh` when there is one; with a `pipeline` (parallel/pipeline.py) its stages
         # hold the layers and the pool, and these are the last stage's params (the sampler's)
         self.params, self.pipeline = model.params, pipeline
         self.programs = StepPrograms()  # this runner's own executables, freed by shutdown()
         programs = self.programs
+        self.lora, self.lora_slots = lora, SlotTable(lora.max_loras) if lora is not None else None
+        if lora is not None:  # the adapters' stacked slots ride in the params (jaxserve/lora/layers.py)
+            self.params = _with_lora_slots(self.params, self.cfg, lora, lora_dtype or self.params["embed"].dtype, mesh)
+            self._write_lora(1, None)  # the slots as the write program leaves them, so every program
+            # compiles for that placement and a later write changes nothing the programs are keyed on
         dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
@@ -242,17 +252,20 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> PreparedStep:
         """Everything host-side: pack the batch, pick the sampling rows, build the sampler inputs."""
         ops = dict(swap_out=list(out.swap_out), swap_in=list(out.swap_in), copy_blocks=list(out.copy_blocks))
-        prepared = self._prepare(out, ops)
+        lora_slots = None
+        if self.lora_slots is not None and out.scheduled:
+            lora_slots, ops["lora_writes"] = self.lora_slots.assign({sr.lora_int_id for sr in out.scheduled})
+        prepared = self._prepare(out, ops, lora_slots)
         self._prev_sample_rows = {rid: i for i, (rid, _, j) in enumerate(prepared.sample_ids) if j == 0}
         return prepared
 
-    def _prepare(self, out: SchedulerOutput, ops: dict) -> PreparedStep:
+    def _prepare(self, out: SchedulerOutput, ops: dict, lora_slots: dict[int, int] | None = None) -> PreparedStep:
         if not out.scheduled:
             return PreparedStep(**ops)
         decode_only = bool(self.decode_buckets) and is_decode_only(out)  # Pallas: the decode kernel's programs
         t = bucket_for(out.num_batched_tokens, self.decode_buckets if decode_only else self.token_buckets)
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
-                                  self._prev_sample_rows, decode_only=decode_only)
+                                  self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = _prompt_logprob_chunks(out)
@@ -282,6 +295,8 @@ class ModelRunner:
     def dispatch(self, p: PreparedStep) -> PendingStep:
         """Issue the step's programs; only the prompt logprobs (rare) are waited for here."""
         self._apply_block_ops(p)
+        for slot, lora_id in p.lora_writes:
+            self._write_lora(slot, lora_id)
         if p.batch is None:
             return PendingStep(p)
         self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows, self._prev_tokens)
@@ -290,6 +305,15 @@ class ModelRunner:
             return PendingStep(p, prompt_lps)
         so, self._prev_tokens = self._sample_step(self.params, hidden, self._input(p.sampling))
         return PendingStep(p, prompt_lps, self._publish(so))
+
+    def _write_lora(self, slot: int, lora_id: int | None) -> None:
+        """Adapter `lora_id`'s host copy (None: zeros) into device slot `slot`: a device update, no compile."""
+        weights = self.lora.weights(lora_id) if lora_id else None
+        new = lora_layers.padded(weights, self.cfg, self.lora.max_lora_rank)
+        layers = self.params["layers"]
+        start = np.int32((slot - 1) * self.lora.max_lora_rank)
+        written = lora_layers.write_slot(layers["lora"], new, start)
+        self.params = {**self.params, "layers": {**layers, "lora": written}}
 
     def _prompt_logprobs(self, chunks: list[PromptLogprobChunk],
                          hidden: jax.Array) -> dict[str, dict[int, SampledToken]]:
@@ -339,6 +363,19 @@ class ModelRunner:
             k[:, :, : len(chunk)] = self.host_kv[0][:, :, host_ids]
             v[:, :, : len(chunk)] = self.host_kv[1][:, :, host_ids]
             self.kv = self.programs.scatter_blocks(self.kv, dev, k, v)
+
+
+def _with_lora_slots(params: dict, cfg, lora: LoRAManager, dtype, mesh: Mesh | None) -> dict:
+    """`params` plus empty LoRA slots: layers["lora"] and the columns' owners (jaxserve/lora/layers.py),
+    split with their projections over `mesh`."""
+    slots, owner = lora_layers.init_slots(cfg, lora.max_loras, lora.max_lora_rank, dtype)
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        tp = parallel.tensor_parallel_size(mesh)
+        slots = lora_layers.shard_slots(slots, mesh, parallel.partition_plan(cfg, tp).specs["layers"])
+        owner = jax.device_put(owner, NamedSharding(mesh, PartitionSpec()))
+    return {**params, "lora_owner": owner, "layers": {**params["layers"], "lora": slots}}
 
 
 def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:

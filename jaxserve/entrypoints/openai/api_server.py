@@ -34,6 +34,7 @@ from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
 from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, wrong_runner
+from jaxserve.entrypoints.openai.serving_lora import lora_routes, model_cards, register_lora_modules
 
 logger = logging.getLogger("jaxserve.api_server")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -63,8 +64,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         return await chat.create(await read_json(request, p.ChatCompletionRequest, max_body_bytes), request)
 
     async def list_models(request: Request) -> Response:
-        card = p.ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)
-        return JSONResponse(p.ModelList(data=[card]).model_dump())
+        return JSONResponse(p.ModelList(data=model_cards(engine)).model_dump())
 
     async def tokenize(request: Request) -> Response:
         req = await read_json(request, p.TokenizeRequest, max_body_bytes)
@@ -117,7 +117,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
         Route("/version", _endpoint(version), methods=["GET"]),
         Route("/metrics", _endpoint(metrics_endpoint), methods=["GET"]),
         Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
-    ]
+    ] + lora_routes(engine, read_json, _endpoint, max_body_bytes)
     routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
@@ -189,6 +189,7 @@ def run_server(config: cli_args.ServeConfig) -> int:
         try:
             engine = (AsyncLLM.from_engine_args(config.engine) if background
                       else AsyncLLM(multihost.leader_engine(config.engine)))
+            register_lora_modules(engine, config.server.lora_modules)
             log_startup(engine, config.engine, time.monotonic() - start)
             gate.open(app_for(engine, config, state), engine)
         except Exception:  # noqa: BLE001  (reported, and the server exits 1)

@@ -13,6 +13,8 @@ Three sources, one per-app `CollectorRegistry` (tests build several apps):
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -88,6 +90,12 @@ class _EngineStatsCollector(Collector):
                       "XLA compilations while serving (each one is a bug).", stats.num_compilations_after_warmup)
         yield gauge("jaxserve:num_gpu_blocks", "KV blocks in the device pool.", stats.num_gpu_blocks)
         yield gauge("jaxserve:num_cpu_blocks", "KV blocks in the host swap pool.", stats.num_cpu_blocks)
+        if getattr(stats, "max_lora", 0):  # vLLM's: value = the time, labels = the adapters by name
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+            info.add_metric([",".join(stats.running_lora_adapters), str(stats.max_lora),
+                             ",".join(stats.waiting_lora_adapters)], time.time())
+            yield info
 
 
 class ServerMetrics:

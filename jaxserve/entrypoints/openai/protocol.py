@@ -332,6 +332,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "jaxserve"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM)
     max_model_len: int | None = None
 
 

@@ -105,8 +105,9 @@ class ServingChat(BaseServing):
             raise OpenAIError(f"Cannot apply the chat template: {exc}", param="messages") from None
         return self.encode(str(text), add_special_tokens=False)
 
-    def _check(self, req: ChatCompletionRequest) -> None:
-        self.check_model(req.model)
+    def _check(self, req: ChatCompletionRequest):
+        """The request's LoRARequest (None: the base model), or an OpenAIError."""
+        lora = self.check_model(req.model)
         self.check_num_sequences(req.n, None)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -120,13 +121,14 @@ class ServingChat(BaseServing):
         if req.tool_choice == "auto" and self.tool_parser is None:
             raise OpenAIError('tool_choice: "auto" needs the server to run with --enable-auto-tool-choice and '
                               "--tool-call-parser", param="tool_choice")
+        return lora
 
     def _auto_tools(self, req: ChatCompletionRequest) -> bool:
         """Parse calls from free text: tool_choice auto (explicit, or the default when tools are given)."""
         return bool(req.tools) and self.tool_parser is not None and req.tool_choice in (None, "auto")
 
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
-        self._check(req)
+        lora = self._check(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         prompt_ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message, template=req.chat_template,
@@ -140,7 +142,7 @@ class ServingChat(BaseServing):
                                         structured_outputs=req.structured_params(forced_tool_schema(req)))
         self.check_overload()
         request_id = random_id("chatcmpl")
-        streams = [self.stream(prompt_ids, params, request_id)]
+        streams = [self.stream(prompt_ids, params, request_id, lora_request=lora)]
         merged = merge_streams(await prime(streams), streams)
         if req.stream:
             return StreamingResponse(sse_stream(self._events(req, request_id, len(prompt_ids), merged), merged),
@@ -191,11 +193,12 @@ class ServingChat(BaseServing):
         num_generated = sum(len(out.token_ids) for out in final.outputs[:req.n])
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
-        return ChatCompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
+        return ChatCompletionResponse(id=request_id, model=req.model or self.engine.model_name, choices=choices,
+                                      usage=usage)
 
     async def _events(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        model = self.engine.model_name
+        model = req.model or self.engine.model_name  # an adapter answers under its own name (vLLM)
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))

@@ -22,7 +22,7 @@ from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disc
 
 class ServingCompletion(BaseServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.check_num_sequences(req.n, req.best_of)
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
@@ -43,7 +43,8 @@ class ServingCompletion(BaseServing):
                 max_tokens, best_of=req.best_of, logprobs=req.logprobs, structured_outputs=structured,
                 prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
                 use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
-            streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs))
+            streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs,
+                                       lora_request=lora))
         firsts = await prime(streams)
         merged = merge_streams(firsts, streams)
         if req.stream:
@@ -116,13 +117,14 @@ class ServingCompletion(BaseServing):
         num_prompt = sum(len(ids) for _, ids in prompts)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
-        return CompletionResponse(id=request_id, model=self.engine.model_name, choices=choices, usage=usage)
+        return CompletionResponse(id=request_id, model=req.model or self.engine.model_name, choices=choices,
+                                  usage=usage)
 
     async def _events(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}  # choice index -> characters sent
         sent_tokens: dict[int, int] = {}
-        model = self.engine.model_name
+        model = req.model or self.engine.model_name  # an adapter answers under its own name (vLLM)
         num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, output in merged:
             prompt_text, prompt_ids = prompts[p]

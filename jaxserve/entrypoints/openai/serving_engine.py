@@ -68,10 +68,16 @@ class BaseServing:
 
     # --- request checks ----------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.engine.model_name:
+    def check_model(self, model: str | None):
+        """The LoRARequest `model` names (None: the base model), or a 404 for a model not served."""
+        if model is None or model == self.engine.model_name:
+            return None
+        manager = getattr(self.engine, "lora_manager", None)
+        lora = manager.resolve(model) if manager is not None else None
+        if lora is None:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
                               code="model_not_found")
+        return lora
 
     def check_num_sequences(self, n: int, best_of: int | None) -> None:
         """A 400 when a request asks for more parallel samples than --max-n-sequences."""
@@ -129,10 +135,11 @@ class BaseServing:
     # --- engine streams ----------------------------------------------------------------------
 
     async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
-                     *, prompt_logprobs: bool = False) -> AsyncGenerator[RequestOutput, None]:
+                     *, prompt_logprobs: bool = False, lora_request=None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one prompt; records metrics when it finishes, aborts it otherwise."""
         finished = started = False
-        outputs = self.engine.generate(prompt_ids, params, request_id, prompt_logprobs=prompt_logprobs)
+        extra = {"lora_request": lora_request} if lora_request is not None else {}
+        outputs = self.engine.generate(prompt_ids, params, request_id, prompt_logprobs=prompt_logprobs, **extra)
         try:
             try:
                 async for output in outputs:

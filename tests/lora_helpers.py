@@ -1,0 +1,62 @@
+"""PEFT adapters on the default model (SmolLM2-135M) and transformers + peft's greedy tokens for them.
+
+Shared by tests/test_lora.py and tests/lora_tp_worker.py (the TP 2 subprocess, which reads the
+references from a JSON file instead of running torch again)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+# name -> peft LoraConfig kwargs: several ranks and target sets, one with rslora
+ADAPTERS = {
+    "qv8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "mlp16rs": dict(r=16, lora_alpha=8, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
+    "all4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                      "up_proj", "down_proj"]),
+    "ko8": dict(r=8, lora_alpha=32, target_modules=["k_proj", "o_proj"]),
+}
+LORA_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+NUM_TOKENS = 8
+B_STD = 0.1  # random B (PEFT initialises it to zeros): large enough that every adapter changes the output
+
+
+def greedy(model, tokenizer, prompts: list[str], num_tokens: int) -> list[list[int]]:
+    import torch
+
+    ids = [tokenizer.encode(p) for p in prompts]  # one left-padded batch, as conftest's hf_greedy
+    width, pad = max(map(len, ids)), tokenizer.eos_token_id
+    input_ids = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
+    mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    with torch.no_grad():
+        gen = model.generate(input_ids, attention_mask=mask, max_new_tokens=num_tokens, do_sample=False,
+                             pad_token_id=pad)
+    return gen[:, width:].tolist()
+
+
+def make_adapters(hf_model, tokenizer, root: Path) -> dict:
+    """Save each adapter under root/name (peft's save_pretrained) and return
+    {"base": tokens, name: {"path", "tokens"}} with transformers + peft's greedy tokens."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    refs: dict = {"base": greedy(hf_model, tokenizer, LORA_PROMPTS, NUM_TOKENS),
+                  "prompt_ids": [tokenizer.encode(p) for p in LORA_PROMPTS]}
+    for k, (name, kwargs) in enumerate(ADAPTERS.items()):
+        model = copy.deepcopy(hf_model)
+        peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **kwargs))
+        gen = torch.Generator().manual_seed(100 + k)
+        with torch.no_grad():
+            for pname, p in peft_model.named_parameters():
+                if "lora_B" in pname:
+                    p.copy_(torch.randn(p.shape, generator=gen) * B_STD)
+        path = root / name
+        peft_model.save_pretrained(str(path))
+        refs[name] = {"path": str(path), "tokens": greedy(peft_model.eval(), tokenizer, LORA_PROMPTS, NUM_TOKENS)}
+        del peft_model, model
+    return refs
+
+
+def write_refs(refs: dict, path: Path) -> None:
+    path.write_text(json.dumps(refs))

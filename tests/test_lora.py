@@ -1,0 +1,211 @@
+"""Multi-LoRA on the default model (SmolLM2-135M) against transformers + peft in float32.
+
+Adapters are made by peft (random B, several ranks and target sets, one with rslora) and
+saved with save_pretrained; jaxserve's greedy tokens must equal peft's, each adapter alone
+and all mixed in one batch with base-model requests, with more adapters in flight than
+--max-loras (and than --max-cpu-loras), offline and over HTTP (a real uvicorn server and the
+openai client), with runtime load / use / unload. One engine for the module; its step
+compiles nothing after warm-up whatever the adapters do. TP 2: tests/test_lora_tp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytest.importorskip("peft")
+openai = pytest.importorskip("openai")
+
+from jaxserve import LLM, LoRARequest, SamplingParams  # noqa: E402
+from tests.conftest import ENGINE  # noqa: E402
+from tests.lora_helpers import ADAPTERS, NUM_TOKENS, make_adapters  # noqa: E402
+
+# the exact float32 configuration (conftest's ENGINE, no n-gram drafts), 3 slots of rank 16, 3 host copies
+LORA_ENGINE = dict(ENGINE, speculative_config={}, enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=3)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
+
+
+@pytest.fixture(scope="module")
+def refs(hf_default_model, hf_default_tokenizer, tmp_path_factory) -> dict:
+    return make_adapters(hf_default_model, hf_default_tokenizer, tmp_path_factory.mktemp("adapters"))
+
+
+@pytest.fixture(scope="module")
+def llm(jax_default_model):
+    return LLM(jax_default_model, progress=False, **LORA_ENGINE)
+
+
+def _lora(refs: dict, name: str) -> LoRARequest:
+    return LoRARequest(name, IDS[name], refs[name]["path"])
+
+
+def _prompts(refs: dict) -> list[dict]:
+    return [{"prompt_token_ids": ids} for ids in refs["prompt_ids"]]
+
+
+def _compilations_after_warmup(llm) -> int:
+    return llm.llm_engine.get_stats().num_compilations_after_warmup
+
+
+def test_every_adapter_changes_the_output(refs):
+    for name in ADAPTERS:
+        assert refs[name]["tokens"] != refs["base"], name
+
+
+def test_each_adapter_alone_matches_peft(llm, refs):
+    outs = llm.generate(_prompts(refs), GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == refs["base"]
+    for name in ADAPTERS:
+        outs = llm.generate(_prompts(refs), GREEDY, use_tqdm=False, lora_request=_lora(refs, name))
+        assert [o.outputs[0].token_ids for o in outs] == refs[name]["tokens"], name
+    assert _compilations_after_warmup(llm) == 0
+
+
+@pytest.mark.parametrize("names", [["qv8", "mlp16rs", "all4"], list(ADAPTERS)], ids=["max_loras", "more"])
+def test_mixed_batch_with_base_requests_matches_peft(llm, refs, names):
+    """Adapters and the base model in one generate call; "more": 4 adapters over 3 slots and 3 host
+    copies, so requests wait for a slot and an evicted adapter is read again."""
+    prompts, loras, want = [], [], []
+    for name in [None] + names:
+        for p, ids in zip(_prompts(refs), refs["base"] if name is None else refs[name]["tokens"]):
+            prompts.append(p)
+            loras.append(None if name is None else _lora(refs, name))
+            want.append(ids)
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert _compilations_after_warmup(llm) == 0
+
+
+def _copy_with(refs: dict, tmp_path, name: str, **changes):
+    path = tmp_path / name
+    shutil.copytree(refs["qv8"]["path"], path)
+    conf = json.loads((path / "adapter_config.json").read_text())
+    conf.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(conf))
+    return str(path)
+
+
+def test_unsupported_adapters_are_refused_naming_the_field(llm, refs, tmp_path):
+    (tmp_path / "empty").mkdir()
+    cases = [(_copy_with(refs, tmp_path, "dora", use_dora=True), "use_dora"),
+             (_copy_with(refs, tmp_path, "mts", modules_to_save=["lm_head"]), "modules_to_save"),
+             (_copy_with(refs, tmp_path, "r32", r=32), "r: .*--max-lora-rank"),
+             (_copy_with(refs, tmp_path, "emb", target_modules=["embed_tokens"]), "target_modules"),
+             (str(tmp_path / "missing"), "lora_path: .*does not exist"),
+             (str(tmp_path / "empty"), "lora_path: .*not a PEFT adapter")]
+    for k, (path, field) in enumerate(cases):
+        with pytest.raises(ValueError, match=f"^{field}"):
+            llm.generate(_prompts(refs)[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 50 + k, path))
+    with pytest.raises(ValueError, match="^lora_int_id"):  # one id, two adapters
+        llm.generate(_prompts(refs)[:1], GREEDY, use_tqdm=False,
+                     lora_request=LoRARequest("other", IDS["qv8"], refs["mlp16rs"]["path"]))
+    assert not llm.llm_engine.has_unfinished_requests()  # nothing was left half-added
+
+
+# ---- over HTTP (the engine thread owns the engine from here on) -------------------------------------
+@pytest.fixture(scope="module")
+def server(llm, refs):
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.api_server import build_app
+    from jaxserve.entrypoints.openai.serving_lora import register_lora_modules
+    from tests.fake_engine import serve_in_thread
+
+    engine = AsyncLLM(llm.llm_engine)
+    register_lora_modules(engine, tuple(f"{n}={refs[n]['path']}" for n in ("qv8", "mlp16rs", "all4")))
+    old = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    try:
+        app = build_app(engine)
+    finally:
+        if old is None:
+            os.environ.pop("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        else:
+            os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = old
+    try:
+        with serve_in_thread(app) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
+def _client(url: str):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _complete(url: str, model: str, ids: list[int]) -> str:
+    r = _client(url).completions.create(model=model, prompt=ids, max_tokens=NUM_TOKENS, temperature=0.0)
+    return r.choices[0].text
+
+
+def test_http_adapters_and_base_mixed(server, refs, hf_default_tokenizer):
+    url, engine = server
+    base = engine.model_name
+    jobs = [(name, ids, want) for name in [base, "qv8", "mlp16rs", "all4"]
+            for ids, want in zip(refs["prompt_ids"], refs["base"] if name == base else refs[name]["tokens"])]
+    with ThreadPoolExecutor(len(jobs)) as pool:  # all in flight together
+        texts = list(pool.map(lambda j: _complete(url, j[0], j[1]), jobs))
+    assert texts == [hf_default_tokenizer.decode(want) for _, _, want in jobs]
+    models = {m.id: m for m in _client(url).models.list().data}
+    assert models["qv8"].parent == engine.model_name and models["qv8"].root == refs["qv8"]["path"]
+    assert set(models) == {engine.model_name, "qv8", "mlp16rs", "all4"}
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'vllm:lora_requests_info{max_lora="3",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    assert engine.get_stats().num_compilations_after_warmup == 0
+
+
+def test_http_unknown_model_is_404(server):
+    url, _ = server
+    with pytest.raises(openai.NotFoundError) as err:
+        _complete(url, "nope", [1, 2, 3])
+    assert err.value.body["message"] == "The model `nope` does not exist."
+
+
+def test_http_runtime_load_use_unload(server, refs, hf_default_tokenizer, tmp_path):
+    url, engine = server
+    load = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "ko8", "lora_path": refs["ko8"]["path"]})
+    assert load.status_code == 200, load.text
+    assert "ko8" in {m.id for m in _client(url).models.list().data}
+    texts = [_complete(url, "ko8", ids) for ids in refs["prompt_ids"]]
+    assert texts == [hf_default_tokenizer.decode(t) for t in refs["ko8"]["tokens"]]
+    again = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "ko8", "lora_path": refs["ko8"]["path"]})
+    assert again.status_code == 400
+    bad = httpx.post(f"{url}/v1/load_lora_adapter",
+                     json={"lora_name": "dora", "lora_path": _copy_with(refs, tmp_path, "dora", use_dora=True)})
+    assert bad.status_code == 400 and "use_dora" in bad.json()["error"]["message"]
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ko8"}).status_code == 200
+    with pytest.raises(openai.NotFoundError):
+        _complete(url, "ko8", refs["prompt_ids"][0])
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "ko8"}).status_code == 404
+    # the server stays up: the base model and the other adapters still answer, rightly
+    assert _complete(url, "qv8", refs["prompt_ids"][0]) == hf_default_tokenizer.decode(refs["qv8"]["tokens"][0])
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert engine.get_stats().num_compilations_after_warmup == 0
+
+
+def test_tensor_parallel_2_matches_peft(refs, tmp_path):
+    """TP 2 on 2 fake CPU devices (a subprocess: the device count is fixed at start-up). SmolLM2's
+    9 heads do not split over 2, so attention and its adapters stay replicated while the MLP and its
+    adapters (gate/up: B split on out; down: A split on in) are split."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    refs_path = tmp_path / "refs.json"
+    refs_path.write_text(json.dumps(refs))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-m", "tests.lora_tp_worker", str(refs_path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    want = {f"base/{i}": t for i, t in enumerate(refs["base"])}
+    want.update({f"{n}/{i}": t for n in ADAPTERS for i, t in enumerate(refs[n]["tokens"])})
+    assert result["tokens"] == want
+    assert result["compilations_after_warmup"] == 0
