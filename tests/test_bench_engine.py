@@ -1,8 +1,8 @@
 """Every `jaxserve bench` subcommand on the real default model, tiny sizes.
 
-One small engine shape for all (so XLA compiles its buckets once per session: the
-jitted programs are module-level), and the session's loaded weights (the CLI's
-loader is patched to return them)."""
+One small engine shape for all (so each later engine loads its buckets' programs from the
+persistent compilation cache instead of compiling them), and a copy of the session's loaded
+weights (the CLI's loader is patched to return one)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,19 @@ ENGINE_FLAGS = [x for k, v in ENGINE.items() for x in ("--" + k.replace("_", "-"
 
 @pytest.fixture(autouse=True)
 def cached_weights(monkeypatch, jax_default_model):
+    """The CLI's engine "loads" a copy of the session's weights: an engine frees the weights it
+    loaded when it shuts down, and the session's own must outlive it."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
     import jaxserve.engine.llm_engine as le
 
-    monkeypatch.setattr(le, "load_model", lambda *a, **k: jax_default_model)
+    def load_copy(*args, **kwargs):
+        return dataclasses.replace(jax_default_model, params=jax.tree.map(jnp.copy, jax_default_model.params))
+
+    monkeypatch.setattr(le, "load_model", load_copy)
 
 
 def test_bench_throughput(tmp_path, capsys):
