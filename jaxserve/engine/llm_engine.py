@@ -73,9 +73,11 @@ class LLMEngine:
             # Pipeline stages get a sub-mesh each (parallel/pipeline.py) instead of one mesh.
             mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
-        # The caller's weights (a LoadedModel passed in may serve other engines too): never deleted
-        # here; whatever the engine made itself (loaded, sharded, quantized, staged) is, on shutdown.
-        self._borrowed = frozenset(id(x) for x in jax.tree.leaves(model.params)) if model is not None else frozenset()
+        # Weights the engine loaded itself are deleted on shutdown. A LoadedModel passed in may serve
+        # other engines too, and what the engine derives from it (its shards, a quantized or staged
+        # copy) may share buffers with it (device_put reuses a buffer already on the device): those
+        # are only dropped, for the collector to free what nothing else holds.
+        self._owns_weights = model is None
         if model is None:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
@@ -176,7 +178,7 @@ class LLMEngine:
         if getattr(self, "outputs", None) is not None and self.outputs.groups:
             self.abort_request(list(self.outputs.groups))
         self._in_flight.clear()
-        owned = [x for x in jax.tree.leaves(self.model.params) if id(x) not in self._borrowed]
+        owned = jax.tree.leaves(self.model.params) if self._owns_weights else []
         self.runner.shutdown()
         for x in owned:
             if isinstance(x, jax.Array) and not x.is_deleted():
