@@ -262,13 +262,16 @@ def check_loading() -> dict:
 
         return real_from_callback(shape, sharding, cb, *args, **kwargs)
 
-    parallel.place_fn, jax.make_array_from_callback = place_fn, from_callback
+    import jaxserve.weights.loader as loader  # it holds its own reference to place_fn
+
+    parallel.place_fn, loader.place_fn, jax.make_array_from_callback = place_fn, place_fn, from_callback
     try:
         with tempfile.TemporaryDirectory() as d:
             write_hf_dir(d, cfg, host)
             model = load_model(d, "float32", progress=False, mesh=mesh)
     finally:
-        parallel.place_fn, jax.make_array_from_callback = real_place_fn, real_from_callback
+        parallel.place_fn, loader.place_fn, jax.make_array_from_callback = (real_place_fn, real_place_fn,
+                                                                            real_from_callback)
     leaves = {}
     flat_host = {"/".join(k.key for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(host)[0]}
     for path, x in jax.tree_util.tree_flatten_with_path(model.params)[0]:
