@@ -278,7 +278,11 @@ class DataParallelAsyncLLM:
     def get_stats(self) -> EngineStats:
         """Counts and counters summed over replicas; cache usage averaged, weighted by pool size."""
         stats = [r.get_stats() for r in self.replicas]
-        total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(EngineStats)}
+        total = {}
+        for f in fields(EngineStats):
+            values = [getattr(s, f.name) for s in stats]  # names (the LoRA adapters): their union
+            total[f.name] = tuple(sorted(set().union(*values))) if isinstance(values[0], tuple) else sum(values)
+        total["max_lora"] = stats[0].max_lora  # slots of one replica, as vLLM's label
         for name, blocks in (("kv_cache_usage", "num_gpu_blocks"), ("cpu_cache_usage", "num_cpu_blocks")):
             weight = sum(getattr(s, blocks) for s in stats)
             total[name] = sum(getattr(s, name) * getattr(s, blocks) for s in stats) / weight if weight else 0.0
