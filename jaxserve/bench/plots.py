@@ -16,6 +16,16 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, out_path: str | Path, dpi: int) -> Path:
+    """Lay out, write (making the folder) and close `fig`; the path written."""
+    fig.tight_layout()
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=dpi)
+    plt.close(fig)
+    return out
+
+
 def plot_sweep(rows: list[dict], param: str, out_dir: str | Path, title: str = "") -> list[Path]:
     """rows: {"value", "output_throughput", "p99_ttft_ms", ...} per parameter value. Two PNGs:
     throughput against TTFT p99 (each point labelled with its value), and both against the parameter."""
@@ -70,12 +80,7 @@ def plot_serve_latencies(result: dict, out_path: str | Path) -> Path:
         ax.set_ylabel("fraction of requests" if name == "TTFT" else "fraction of tokens")
         ax.set_title(f"{name} CDF ({result.get('model_id', '')})")
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out_path, dpi=110)
 
 
 def plot_batching(result: dict, out_path: str | Path) -> Path:
@@ -92,12 +97,7 @@ def plot_batching(result: dict, out_path: str | Path) -> Path:
     ax2.bar(names, [100 * v for v in vals], color=["tab:green", "tab:red", "tab:orange"])
     ax2.set_ylabel("KV slots allocated but unused (%)")
     ax2.set_title("KV waste (continuous run)")
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out_path, dpi=110)
 
 
 def plot_peer_comparison(result: dict, out_path: str | Path) -> Path:
@@ -132,12 +132,7 @@ def plot_peer_comparison(result: dict, out_path: str | Path) -> Path:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     ax.set_ylim(0, ax.get_ylim()[1] * 1.12)
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out_path, dpi=90)
 
 
 def plot_throughput_curves(sweep: dict, out_path: str | Path, title: str = "") -> Path:
@@ -168,9 +163,4 @@ def plot_throughput_curves(sweep: dict, out_path: str | Path, title: str = "") -
         ax2.set_ylim(0, max(ttft) / 1000 * 1.2)
     ax1.set_title(title or f"{sweep.get('mode', '')} sweep of {sweep.get('param', '')}", fontsize=10)
     ax1.grid(alpha=0.3)
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out_path, dpi=90)
