@@ -27,6 +27,24 @@ def default_gguf():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, default_gguf):
+    """A tiny random Llama (4 heads, 2 kv heads: both split at TP 2) saved by transformers, with the
+    default model's tokenizer: for the tests that need a real HF directory but no real weights."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from jaxserve.weights.gguf_file import open_gguf
+    from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny_llama")
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    load_gguf_tokenizer(open_gguf(default_gguf), default_gguf).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
 def jax_default_model():
     from jaxserve.weights.loader import load_model
 

@@ -56,20 +56,9 @@ def run_ranks(commands: list[list[str]], tmp: Path) -> list[Path]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_gguf) -> Path:
-    """A tiny random Llama (4 heads, 2 kv heads: both split at TP 2) with the default model's tokenizer."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from jaxserve.weights.gguf_file import open_gguf
-    from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
+def model_dir(tiny_llama_dir) -> Path:
+    return tiny_llama_dir  # conftest.py: a tiny random Llama with the default model's tokenizer
 
-    path = tmp_path_factory.mktemp("tiny_llama")
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    load_gguf_tokenizer(open_gguf(default_gguf), default_gguf).save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

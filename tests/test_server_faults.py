@@ -33,20 +33,9 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "te
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, default_gguf) -> Path:
-    import torch
-    import transformers
+def model_dir(tiny_llama_dir) -> Path:
+    return tiny_llama_dir  # conftest.py: a tiny random Llama with the default model's tokenizer
 
-    from jaxserve.weights.gguf_file import open_gguf
-    from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny_llama")
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    load_gguf_tokenizer(open_gguf(default_gguf), default_gguf).save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")
