@@ -1,4 +1,4 @@
-"""One generation request as the scheduler sees it: token ids and bookkeeping.
+"""One request as the scheduler sees it (generation, or prefill-only pooling): token ids and bookkeeping.
 
 A request is a single sequence. Parallel samples (`n > 1`) are separate
 requests whose `parent_id` names the first sample; the scheduler forks them
@@ -72,6 +72,10 @@ class Request:
     # The LoRA adapter it runs under (LoRARequest.lora_int_id); 0: the base model. The scheduler
     # keeps at most max_loras distinct adapters in a step, and the prefix cache keys blocks by it.
     lora_int_id: int = 0
+    # Prefill-only (a pooling request): one step computes the whole prompt, never chunked, and its
+    # result is the pooled row (ModelOutput.pooled); no sampling, no decode, no blocks after the step.
+    pooling: bool = False
+    token_type_ids: list[int] | None = None  # pooling: each prompt token's segment (a text pair); None: all 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -30,7 +30,14 @@ LoRA (`max_loras` > 0): a step carries requests of at most max_loras distinct ad
 adapter sit the step out (the oldest go first, so the set changes as they finish); a
 waiting request whose adapter does not fit is passed over, and from then on only
 base-model requests are admitted past it, so the adapters in the step drain and it is
-never starved. Pure Python, no JAX.
+never starved.
+
+Prefill-only requests (`Request.pooling`: embeddings, scores) take their whole prompt in one step
+(never chunked, no prefix cache), sample nothing, and finish in that step's `update()` with the
+runner's pooled row, releasing whatever blocks they took. On a padded-[B, S] runner
+(`padded_batching`: the pooling runner, attention inside the step) they take no blocks at all, and
+the waiting ones are packed by length instead of FCFS (core/prefill_only.py: the oldest's run goes
+first). Pure Python, no JAX.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import logging
 from collections import deque
 from collections.abc import Iterable
 
-from jaxserve.core import in_flight
+from jaxserve.core import in_flight, prefill_only
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import (ModelOutput, RequestUpdate, SampledToken, ScheduledRequest,
@@ -89,15 +96,10 @@ class Scheduler:
             raise ValueError("prompt must contain at least one token")
         if request.lora_int_id and not cfg.max_loras:
             raise ValueError("lora_request: LoRA is not enabled (enable_lora=True)")
-        if num_prompt >= cfg.max_model_len:
-            raise ValueError(f"prompt is {num_prompt} tokens long but max_model_len is "
-                             f"{cfg.max_model_len}; it must be shorter to leave room for output")
-        # A request alone must fit the pool at its longest, or nothing could ever run it.
-        max_blocks = self.kv.blocks_needed(request.max_total_tokens(cfg.max_model_len) - 1)
-        if max_blocks > cfg.num_blocks:
-            raise ValueError(f"prompt of {num_prompt} tokens (max_model_len {cfg.max_model_len}, "
-                             f"max_tokens {request.sampling_params.max_tokens}) can grow to "
-                             f"{max_blocks} KV blocks but the pool has only {cfg.num_blocks}")
+        if request.pooling:
+            self._check_prefill_only(request)
+        else:
+            self._check_generation(request)
         self.structured.add_request(rid, request.sampling_params)  # compiles its grammar, if any
         request.status = RequestStatus.WAITING
         self.kv.set_extra_key(rid, request.lora_int_id)  # the prefix cache keys blocks by adapter
@@ -109,6 +111,35 @@ class Scheduler:
             self.pending_forks.setdefault(parent.request_id, []).append(request)
         else:
             self.waiting.append(request)
+
+    def _check_generation(self, request: Request) -> None:
+        cfg, num_prompt = self.config, len(request.prompt_token_ids)
+        if cfg.padded_batching is not None:
+            raise ValueError("runner: this engine runs pooling (prefill-only) requests only, not generation")
+        if num_prompt >= cfg.max_model_len:
+            raise ValueError(f"prompt is {num_prompt} tokens long but max_model_len is "
+                             f"{cfg.max_model_len}; it must be shorter to leave room for output")
+        # A request alone must fit the pool at its longest, or nothing could ever run it.
+        max_blocks = self.kv.blocks_needed(request.max_total_tokens(cfg.max_model_len) - 1)
+        if max_blocks > cfg.num_blocks:
+            raise ValueError(f"prompt of {num_prompt} tokens (max_model_len {cfg.max_model_len}, "
+                             f"max_tokens {request.sampling_params.max_tokens}) can grow to "
+                             f"{max_blocks} KV blocks but the pool has only {cfg.num_blocks}")
+
+    def _check_prefill_only(self, request: Request) -> None:
+        """The whole prompt runs in one step: it must fit max_model_len, the step (never chunked)
+        and, on a runner with KV blocks, the pool; no room for output is needed."""
+        cfg, num_prompt = self.config, len(request.prompt_token_ids)
+        padded = cfg.padded_batching
+        longest = min(cfg.max_model_len, padded.seq_buckets[-1] if padded else
+                      min(cfg.max_num_batched_tokens, cfg.num_blocks * cfg.block_size))
+        if num_prompt > longest:
+            raise ValueError(f"prompt is {num_prompt} tokens long but this model's maximum context length "
+                             f"is {longest} tokens")
+        if request.token_type_ids is not None and len(request.token_type_ids) != num_prompt:
+            raise ValueError(f"token_type_ids: {len(request.token_type_ids)} of them for {num_prompt} prompt tokens")
+        if request.parent_id or request.lora_int_id:
+            raise ValueError("pooling: a pooling request has no parallel samples (n) and no LoRA adapter")
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
         return self._finish(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -190,7 +221,7 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute now, or 0 if it must wait for a later step."""
         num_new = req.num_tokens - num_computed
-        if self.config.enable_chunked_prefill:
+        if self.config.enable_chunked_prefill and not req.pooling:  # prefill-only: whole or not at all
             return min(num_new, budget)
         return num_new if num_new <= budget else 0
 
@@ -271,6 +302,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput) -> None:
         budget = self._budget_left(out)
+        if self.config.padded_batching is not None:
+            self._admit_padded(out, budget)
+            return
         caching = self.config.enable_prefix_caching
         passed_over: list[Request] = []  # waiting requests whose adapter has no slot this step
         try:
@@ -296,7 +330,7 @@ class Scheduler:
                 continue
             assert req.num_computed_tokens == 0, "waiting requests hold no KV"
             # Prompt logprobs need every prompt position computed, so such a request reads no cached prefix.
-            use_cache = caching and req.sampling_params.prompt_logprobs is None
+            use_cache = caching and req.sampling_params.prompt_logprobs is None and not req.pooling
             hits = self.kv.get_computed_blocks(rid, req.all_token_ids) if use_cache else []
             num_computed = len(hits) * self.config.block_size
             num_new = self._num_new_tokens(req, num_computed, budget)
@@ -319,6 +353,26 @@ class Scheduler:
             self._add_scheduled(out, req, num_new)
             budget -= num_new
 
+    def _admit_padded(self, out: SchedulerOutput, budget: int) -> None:
+        """A padded-[B, S] runner: the waiting prefill-only requests packed by length, the oldest's run
+        first (prefill_only.pack); they take no KV blocks, the padded size counts against the budget."""
+        padded = self.config.padded_batching
+        room = min(self._step_max_seqs - len(out.scheduled), self.config.max_num_seqs - len(self.running))
+        if room <= 0 or not self.waiting:
+            return
+        window = [self.waiting.popleft() for _ in range(min(len(self.waiting), prefill_only.WINDOW_ROWS * room))]
+        chosen = prefill_only.pack(window, room, budget, padded)
+        taken = {id(r) for r in chosen}
+        self.waiting.extendleft(reversed([r for r in window if id(r) not in taken]))
+        if not chosen:
+            return
+        for req in chosen:
+            self._admitted.add(req.request_id)
+            req.status = RequestStatus.RUNNING
+            self._insert(self.running, req)
+            self._add_scheduled(out, req, req.num_tokens)
+        out.padded_shape = padded.shape(len(chosen), max(r.num_tokens for r in chosen))
+
     def _budget_left(self, out: SchedulerOutput) -> int:
         return self.config.max_num_batched_tokens - sum(len(s.token_ids) for s in out.scheduled)
 
@@ -329,10 +383,11 @@ class Scheduler:
             request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new) + list(drafts),
             start_pos=start,
             block_ids=list(self.kv.get_block_ids(req.request_id)),
-            sample=start + num_new == req.num_tokens, num_drafts=len(drafts),
+            sample=start + num_new == req.num_tokens and not req.pooling, num_drafts=len(drafts),
             sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
             num_output_tokens=req.num_output_tokens + req.num_output_placeholders,
-            output_token_ids=req.output_token_ids if params.needs_penalties else [], lora_int_id=req.lora_int_id))
+            output_token_ids=req.output_token_ids if params.needs_penalties else [], lora_int_id=req.lora_int_id,
+            pooling=req.pooling, token_type_ids=req.token_type_ids))
         if req.lora_int_id:
             self._step_loras.add(req.lora_int_id)
         self.num_prompt_tokens += max(0, min(start + num_new, req.num_prompt_tokens) - start)
@@ -373,6 +428,10 @@ class Scheduler:
             if self.requests.get(sched.request_id) is not req:
                 continue
             running = req.status == RequestStatus.RUNNING
+            if req.pooling:  # done in its one step; its blocks (if any) go with it below
+                updates.append(self._pooled(req, model_output))
+                finished.append(req)
+                continue
             if sched.sample:
                 req.num_output_placeholders -= 1
                 accepted = self._accept(req, sched, model_output, running)
@@ -390,6 +449,14 @@ class Scheduler:
             self._unqueue(req)
             self._release(req)
         return updates
+
+    def _pooled(self, req: Request, model_output: ModelOutput) -> RequestUpdate:
+        row = model_output.pooled.get(req.request_id)
+        if row is None:  # it would sit forever with nothing left to compute
+            raise RuntimeError(f"runner pooled no row for {req.request_id!r}")
+        req.status = RequestStatus.FINISHED_STOPPED
+        return RequestUpdate(req.request_id, [], req.finish_reason, num_cached_tokens=req.num_cached_tokens,
+                             pooled=row)
 
     def _accept(self, req: Request, sched: ScheduledRequest, model_output: ModelOutput,
                 running: bool) -> list[SampledToken]:

@@ -1,4 +1,5 @@
-"""Plain data crossing the scheduler <-> runner line: config, one step's plan, its results.
+"""Plain data crossing the scheduler <-> runner line: config, one step's plan, its results (sampled
+tokens, or pooled rows for prefill-only requests).
 
 Everything here is ints, lists and strings, so the scheduler is testable
 without JAX and the runner can pack it into device arrays however it likes.
@@ -15,6 +16,7 @@ from pydantic import Field, model_validator
 
 from jaxserve.constants import PreemptionMode
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.prefill_only import PaddedBatching
 from jaxserve.core.spec_config import SpeculativeConfig
 from jaxserve.core.validation import config_dataclass
 
@@ -41,11 +43,17 @@ class SchedulerConfig:
     pipeline_depth: PositiveInt = 1
     # LoRA: distinct adapters one step may carry (the runner's device slots); 0: LoRA is off
     max_loras: Annotated[int, Field(ge=0)] = 0
+    # A runner that runs each step as one padded [B, S] program of prefill-only requests (the pooling
+    # runner: attention inside the step, no KV pool, so num_blocks is unused): its buckets. The
+    # scheduler then admits only prefill-only requests, packed by length (prefill_only.pack).
+    padded_batching: PaddedBatching | None = None
 
     @model_validator(mode="after")
     def _check_together(self) -> "SchedulerConfig":
-        # Without chunking a prompt is scheduled whole, so the longest one must fit a step.
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        # Without chunking a prompt is scheduled whole, so the longest one must fit a step (a padded
+        # runner always runs a prompt alone, B = 1, whatever the budget).
+        if (not self.enable_chunked_prefill and self.padded_batching is None
+                and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                              f"({self.max_model_len}) unless enable_chunked_prefill is on")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
@@ -73,6 +81,8 @@ class ScheduledRequest:
     num_output_tokens: int = 0  # before this step: the sampling step index and min_tokens
     output_token_ids: list[int] = field(default_factory=list)  # the penalties' history
     lora_int_id: int = 0  # the request's LoRA adapter (LoRARequest.lora_int_id); 0: the base model
+    pooling: bool = False  # prefill-only: the runner returns the pooled row (ModelOutput.pooled), samples nothing
+    token_type_ids: list[int] | None = None  # pooling: the prompt tokens' segments; None: all 0
 
 
 @dataclass
@@ -90,6 +100,8 @@ class SchedulerOutput:
     # [sampling rows, W] i32 token bitmask (structured outputs, allowed_token_ids, bad_words), one row
     # per sampled row in `scheduled` order (k drafts: k + 1 rows); None: no row is constrained
     token_bitmask: np.ndarray | None = None
+    # SchedulerConfig.padded_batching: the (B, S) program this step's requests run in; None otherwise
+    padded_shape: tuple[int, int] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -112,6 +124,8 @@ class ModelOutput:
     draft_sampled: dict[str, list[SampledToken]] = field(default_factory=dict)
     # request_id -> {prompt position p: logprob entry for prompt token p (p >= 1)}, for prompt_logprobs
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
+    # request_id -> its pooled row [D] (embedding, or classifier logits), for ScheduledRequests with pooling
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,6 +140,7 @@ class RequestUpdate:
     finish_reason: str | None = None  # "stop" / "length" once finished
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served at admission
+    pooled: np.ndarray | None = None  # a pooling request's row [D] (it is finished with it)
 
     @property
     def finished(self) -> bool:

@@ -1,29 +1,39 @@
 """PoolingEngine: embeddings and classification scores from a pooling model, one jitted [B, S] program
 per bucket compiled at start-up (0 compilations while serving); AsyncPoolingLLM: its asyncio front.
 
-    texts --tokenize (caller's thread)--> PoolingRequest --scheduler--> [B, S] step --> rows
-          --postprocess (Matryoshka cut, activation)--> np.ndarray per request
+The engine's scheduler is the generate path's core Scheduler, configured for a padded-[B, S] runner
+(SchedulerConfig.padded_batching): it admits prefill-only requests (Request.pooling), packs them by
+length within the token budget and max_num_seqs, and finishes each in its step's update with the
+pooled row. The engine only tokenizes, runs the program and post-processes.
+
+    texts --tokenize (caller's thread)--> Request(pooling) --Scheduler.schedule--> [B, S] step
+          --ModelOutput.pooled--> Scheduler.update --> rows --postprocess (Matryoshka cut, activation)
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 import logging
 import os
 import queue
 import threading
+import time
 
 import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxserve.core.prefill_only import PaddedBatching, length_buckets, power_buckets
+from jaxserve.core.request import Request
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import ModelOutput, Scheduler, SchedulerConfig
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.pooling import model as pooling_model
 from jaxserve.pooling.config import PoolingModelInfo, read_pooling_info
-from jaxserve.pooling.scheduler import PoolingRequest, PoolingScheduler, length_buckets, power_buckets
 from jaxserve.weights.loader import resolve_dtype, resolve_model_path
 from jaxserve.worker import sizing
 from jaxserve.worker.programs import num_compilations
@@ -55,12 +65,16 @@ class PoolingEngine:
         self.model_name = args.served_model_name or args.model or str(path)
         self.block_size = 1
         budget = max(args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-        self.scheduler = PoolingScheduler(
-            args.max_num_seqs, budget,
-            length_buckets(min(SMALLEST_SEQ_BUCKET, self.max_model_len), self.max_model_len),
+        padded = PaddedBatching(
+            seq_buckets=length_buckets(min(SMALLEST_SEQ_BUCKET, self.max_model_len), self.max_model_len),
             # Rows in powers of 4: a busy server fills its rows anyway, and each length bucket then
             # costs 3-4 programs, not 6-7 (compile time is a user's cost).
-            power_buckets(args.max_num_seqs, 4))
+            batch_buckets=power_buckets(args.max_num_seqs, 4))
+        # num_blocks is unused: the [B, S] program runs attention inside the step, no KV pool.
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=1, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+            max_model_len=max(self.max_model_len, 2), padded_batching=padded))
+        self.grid = padded.grid(args.max_num_seqs, budget)
         # --dtype auto on a CPU with bfloat16 dot instructions: bfloat16 dots, as the generate runner's
         # (engine/config.py); the steps a pooling model runs are all past its 64-token threshold.
         on_cpu = jax.default_backend() == "cpu"
@@ -68,16 +82,13 @@ class PoolingEngine:
         self._fn = jax.jit(functools.partial(
             pooling_model.step, cfg=self.model.cfg, task=self.task, pooling_type=self.info.pooler.pooling_type,
             normalize=self.info.pooler.normalize, bf16_dots=self.bf16_dots))
-        self._finished: dict[str, np.ndarray] = {}
-        self.num_prompt_tokens = 0
         self._warm_up(progress)
 
     # ---- start-up ----
     def _warm_up(self, progress: bool) -> None:
         before = num_compilations()
         self._programs = {}
-        grid = self.scheduler.grid()
-        for rows, seq in tqdm(grid, desc="Warm-up (compiling buckets)", unit="program", disable=not progress):
+        for rows, seq in tqdm(self.grid, desc="Warm-up (compiling buckets)", unit="program", disable=not progress):
             ids = jax.ShapeDtypeStruct((rows, seq), np.int32)
             self._programs[rows, seq] = self._fn.lower(self.model.params, ids, ids,
                                                        jax.ShapeDtypeStruct((rows,), np.int32)).compile()
@@ -96,36 +107,37 @@ class PoolingEngine:
 
     def add_request(self, request_id: str, token_ids: list[int], type_ids: list[int] | None = None) -> None:
         self.check_length(token_ids)
-        self.scheduler.add(PoolingRequest(request_id, list(token_ids), type_ids))
+        self.scheduler.add_request(Request(request_id, list(token_ids), _NO_SAMPLING, time.time(), pooling=True,
+                                           token_type_ids=None if type_ids is None else list(type_ids)))
 
     def abort_request(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
-        self._finished.pop(request_id, None)
+        self.scheduler.abort_requests([request_id])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished_requests()
 
     def step(self) -> dict[str, np.ndarray]:
-        """One [B, S] program over the next batch; request id -> its raw row (embedding or logits)."""
-        batch = self.scheduler.schedule()
-        if batch is None:
+        """One [B, S] program over the scheduler's next batch; request id -> its raw row (embedding or
+        logits), for every request the step finished."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
             return {}
-        ids = np.zeros((batch.num_rows, batch.seq_len), np.int32)
+        ids = np.zeros(out.padded_shape, np.int32)
         types = np.zeros_like(ids)
-        lens = np.zeros((batch.num_rows,), np.int32)
-        for i, req in enumerate(batch.requests):
-            n = len(req.token_ids)
-            ids[i, :n], lens[i] = req.token_ids, n
-            if req.type_ids is not None:
-                types[i, :n] = req.type_ids
-            self.num_prompt_tokens += n
-        out = np.asarray(self._programs[batch.num_rows, batch.seq_len](self.model.params, ids, types, lens))
-        return {req.request_id: out[i] for i, req in enumerate(batch.requests)}
+        lens = np.zeros((out.padded_shape[0],), np.int32)
+        for i, sched in enumerate(out.scheduled):
+            n = len(sched.token_ids)
+            ids[i, :n], lens[i] = sched.token_ids, n
+            if sched.token_type_ids is not None:
+                types[i, :n] = sched.token_type_ids
+        rows = np.asarray(self._programs[out.padded_shape](self.model.params, ids, types, lens))
+        pooled = {sched.request_id: rows[i] for i, sched in enumerate(out.scheduled)}
+        return {u.request_id: u.pooled for u in self.scheduler.update(out, ModelOutput(pooled=pooled))}
 
     def get_stats(self) -> EngineStats:
         now = num_compilations()
-        return EngineStats(num_waiting=len(self.scheduler.waiting), num_prompt_tokens=self.num_prompt_tokens,
-                           num_compilations=now, num_compilations_after_warmup=now - self._compilations_at_ready)
+        return EngineStats(**dataclasses.asdict(self.scheduler.stats()), num_compilations=now,
+                           num_compilations_after_warmup=now - self._compilations_at_ready)
 
     def startup_report(self) -> str:
         return (f"pooling model ({self.task}, {self.info.pooler.pooling_type} pooling, normalize="
@@ -147,6 +159,7 @@ class PoolingEngine:
 
 
 _ids = itertools.count()
+_NO_SAMPLING = SamplingParams(max_tokens=1)  # a pooling request samples nothing; the Request wants one
 
 
 class AsyncPoolingLLM:
