@@ -163,3 +163,41 @@ def test_bench_serve_embeddings_endpoint(url: str, capsys) -> None:
     out = capsys.readouterr().out
     assert rc == 0 and "Request throughput (req/s)" in out and "Input token throughput (tok/s)" in out
     assert re.search(r"Successful requests:\s+2\s", out) and re.search(r"Failed requests:\s+0\s", out)
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """/metrics as {name{labels}: value} (labels sorted), via prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}"] = s.value
+    return out
+
+
+def test_operator_routes_on_a_pooling_server(url: str, llm: LLM) -> None:
+    """/v1/models, /tokenize, /detokenize, /health and /metrics (vLLM's names) are the generate server's."""
+    tok = llm.get_tokenizer()
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+    assert model["id"] == llm.llm_engine.model_name and model["max_model_len"] == 256
+    body = httpx.post(f"{url}/tokenize", json={"prompt": "Crème brûlée"}, timeout=10).json()
+    assert body["tokens"] == tok("Crème brûlée")["input_ids"] and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == 256
+    text = httpx.post(f"{url}/detokenize", json={"tokens": body["tokens"]}, timeout=10).json()["prompt"]
+    assert text == tok.decode(body["tokens"])
+    r = httpx.post(f"{url}/detokenize", json={"tokens": [10 ** 9]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+    before = _scrape(url)
+    usage = httpx.post(f"{url}/v1/embeddings", json={"input": TEXTS[:3]}, timeout=60).json()["usage"]
+    after = _scrape(url)
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta["vllm:request_success_total{finished_reason=stop}"] == 3
+    assert delta["vllm:prompt_tokens_total{}"] == usage["prompt_tokens"]
+    assert delta["vllm:e2e_request_latency_seconds_count{}"] == 3
+    assert delta["vllm:request_prompt_tokens_sum{}"] == usage["prompt_tokens"]
+    assert after["vllm:num_requests_running{}"] == 0 and after["vllm:num_requests_waiting{}"] == 0
+    assert after["jaxserve:xla_compilations_after_warmup_total{}"] == 0

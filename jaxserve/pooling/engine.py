@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -189,8 +190,10 @@ class AsyncPoolingLLM:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
-    async def pool(self, inputs: list[tuple[list[int], list[int] | None]]) -> list[np.ndarray]:
-        """Each (token_ids, type_ids)'s raw row; all of them enter the scheduler at once."""
+    async def pool(self, inputs: list[tuple[list[int], list[int] | None]],
+                   on_finished: Callable[[int, float], None] | None = None) -> list[np.ndarray]:
+        """Each (token_ids, type_ids)'s raw row; all of them enter the scheduler at once. `on_finished`
+        (the server's metrics): called with each input's prompt tokens and its seconds from arrival."""
         if self.errored:
             raise RuntimeError("the engine loop has stopped after an error")
         for tokens, _ in inputs:
@@ -198,6 +201,11 @@ class AsyncPoolingLLM:
         loop = asyncio.get_running_loop()
         ids = [f"pool-{next(_ids)}" for _ in inputs]
         futures = [loop.create_future() for _ in inputs]
+        if on_finished is not None:
+            start = time.monotonic()
+            for fut, (tokens, _) in zip(futures, inputs):
+                fut.add_done_callback(lambda f, n=len(tokens): None if f.cancelled() or f.exception() is not None
+                                      else on_finished(n, time.monotonic() - start))
         for rid, fut in zip(ids, futures):
             self._waiters[rid] = (loop, fut)
         self._inbox.put(("add", list(zip(ids, inputs))))

@@ -31,10 +31,11 @@ from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, Handler, _endpoin
 from jaxserve.entrypoints.openai.errors import OpenAIError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
+from jaxserve.entrypoints.openai.operator_routes import operator_routes
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
 from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, wrong_runner
-from jaxserve.entrypoints.openai.serving_lora import lora_routes, model_cards, register_lora_modules
+from jaxserve.entrypoints.openai.serving_lora import lora_routes, register_lora_modules
 
 logger = logging.getLogger("jaxserve.api_server")
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -49,6 +50,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     """The ASGI app serving `engine`; each app has its own metrics registry. `tool_parser`: parse
     `tool_choice: auto` calls from the model's text (--enable-auto-tool-choice --tool-call-parser)."""
     metrics = ServerMetrics(engine)
+    state = state or lifecycle.ServerState()
     completions = ServingCompletion(engine, metrics)
     chat = ServingChat(engine, metrics, load_chat_template(chat_template),
                        trust_request_chat_template=trust_request_chat_template, tool_parser=tool_parser,
@@ -63,41 +65,6 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     async def create_chat_completion(request: Request) -> Response:
         return await chat.create(await read_json(request, p.ChatCompletionRequest, max_body_bytes), request)
 
-    async def list_models(request: Request) -> Response:
-        return JSONResponse(p.ModelList(data=model_cards(engine)).model_dump())
-
-    async def tokenize(request: Request) -> Response:
-        req = await read_json(request, p.TokenizeRequest, max_body_bytes)
-        chat.check_model(req.model)
-        if (req.prompt is None) == (req.messages is None):
-            raise OpenAIError("Give exactly one of prompt and messages", param="prompt")
-        if req.messages is not None:
-            ids = chat.render(req.messages, add_generation_prompt=req.add_generation_prompt)
-        else:
-            ids = chat.encode(req.prompt or "", add_special_tokens=req.add_special_tokens)
-        body = p.TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids)
-        return JSONResponse(body.model_dump())
-
-    async def detokenize(request: Request) -> Response:
-        req = await read_json(request, p.DetokenizeRequest, max_body_bytes)
-        chat.check_model(req.model)
-        chat.check_token_ids(req.tokens, "tokens")
-        return JSONResponse(p.DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens)).model_dump())
-
-    state = state or lifecycle.ServerState()
-
-    async def health(request: Request) -> Response:
-        # 503 while warming up, shutting down, or after the engine died: load balancers drain us.
-        refusal = lifecycle.unavailable(engine, state)
-        return Response(status_code=200) if refusal is None else refusal.response()
-
-    async def version(request: Request) -> Response:
-        return JSONResponse(p.VersionResponse(version=jaxserve.__version__).model_dump())
-
-    async def metrics_endpoint(request: Request) -> Response:
-        body, content_type = metrics.render()
-        return Response(body, headers={"Content-Type": content_type})
-
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(openapi)
 
@@ -110,14 +77,9 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     routes = [
         Route("/v1/completions", _endpoint(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(create_chat_completion), methods=["POST"]),
-        Route("/v1/models", _endpoint(list_models), methods=["GET"]),
-        Route("/tokenize", _endpoint(tokenize), methods=["POST"]),
-        Route("/detokenize", _endpoint(detokenize), methods=["POST"]),
-        Route("/health", _endpoint(health), methods=["GET"]),
-        Route("/version", _endpoint(version), methods=["GET"]),
-        Route("/metrics", _endpoint(metrics_endpoint), methods=["GET"]),
         Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
-    ] + lora_routes(engine, read_json, _endpoint, max_body_bytes)
+    ] + operator_routes(engine, chat, metrics, state, max_body_bytes)
+    routes += lora_routes(engine, read_json, _endpoint, max_body_bytes)
     routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
@@ -240,9 +202,9 @@ def _run_pooling_server(config: cli_args.ServeConfig) -> int:
                 engine.max_model_len, time.monotonic() - start, engine.startup_report())
     try:
         server, state = config.server, lifecycle.ServerState()
-        app = lifecycle.LifecycleMiddleware(
-            build_pooling_app(engine, api_key=server.api_key, max_body_bytes=server.max_request_body_bytes),
-            engine=engine, state=state, max_header_bytes=server.max_request_header_bytes)
+        app = build_pooling_app(engine, api_key=server.api_key, max_body_bytes=server.max_request_body_bytes,
+                                state=state, protect_metrics=server.api_key_protects_metrics,
+                                max_header_bytes=server.max_request_header_bytes)
         return lifecycle.serve(app, engine, state, host=server.host, port=server.port,
                                log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
     finally:

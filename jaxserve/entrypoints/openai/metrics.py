@@ -154,5 +154,12 @@ class ServerMetrics:
             if m.first_scheduled_time is not None:
                 self.inference.labels(model).observe(max(m.finished_time - m.first_scheduled_time, 0.0))
 
+    def observe_pooled(self, num_prompt_tokens: int, seconds: float) -> None:
+        """One finished pooling request (one input of /v1/embeddings, /score, ...): arrival to its row."""
+        model = self._model
+        self.request_success.labels(model, "stop").inc()
+        self.prompt_tokens.labels(model).observe(num_prompt_tokens)
+        self.e2e.labels(model).observe(max(seconds, 0.0))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

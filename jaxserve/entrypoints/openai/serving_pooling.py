@@ -1,4 +1,6 @@
-"""The pooling routes (vLLM's shapes): /v1/embeddings, /score, /rerank (+ /v1, /v2), /classify.
+"""The pooling routes (vLLM's shapes): /v1/embeddings, /score, /rerank (+ /v1, /v2), /classify; the
+operators' routes (/metrics, /tokenize, /detokenize, /v1/models, /health, /version) are the generate
+server's (operator_routes.py).
 
     body --read_json--> request --tokenize (worker thread)--> engine.pool (batched with every other
     request in flight) --postprocess + JSON encode (worker thread)--> response
@@ -23,8 +25,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import jaxserve
+from jaxserve.entrypoints.openai import lifecycle
 from jaxserve.entrypoints.openai.errors import OpenAIError
+from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.pooling import io
 
 POOLING_ROUTES = ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify")
@@ -70,8 +73,9 @@ def wrong_runner(runner: str, path: str) -> OpenAIError:
 
 
 class ServingPooling:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         self.core = engine.engine  # PoolingEngine: tokenizer, info, task
         self.info = self.core.info
 
@@ -79,6 +83,10 @@ class ServingPooling:
         if model is not None and model != self.engine.model_name:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
                               code="model_not_found")
+
+    async def _pool(self, tokenized: list[io.TokenizedInput]) -> list[np.ndarray]:
+        """Each input's raw row; every input is one engine request, counted in /metrics as it finishes."""
+        return await self.engine.pool(tokenized, on_finished=self.metrics and self.metrics.observe_pooled)
 
     def _tokenize(self, inputs: list, truncate: int | None, add_special_tokens: bool = True) -> list[io.TokenizedInput]:
         core = self.core
@@ -97,7 +105,7 @@ class ServingPooling:
         hidden = self.core.model.cfg.hidden_size
         io.check_dimensions(self.info, req.dimensions, hidden)
         tokenized = await asyncio.to_thread(self._tokenize, inputs, req.truncate_prompt_tokens, req.add_special_tokens)
-        rows = await self.engine.pool(tokenized)
+        rows = await self._pool(tokenized)
         num_tokens = sum(len(t) for t, _ in tokenized)
         normalize = self.info.pooler.normalize
 
@@ -120,12 +128,12 @@ class ServingPooling:
                                   code="wrong_task")
             tokenized = await asyncio.to_thread(io.tokenize_pairs, core.tokenizer, firsts, seconds,
                                                 truncate or core.max_model_len)
-            rows = await self.engine.pool(tokenized)
+            rows = await self._pool(tokenized)
             act = self.info.score_activation and self.info.pooler.activation
             return [float(io.probabilities(r, act)[0]) for r in rows], sum(len(t) for t, _ in tokenized)
         uniq = list(dict.fromkeys(firsts + seconds))
         tokenized = await asyncio.to_thread(self._tokenize, uniq, truncate)
-        rows = dict(zip(uniq, await self.engine.pool(tokenized)))
+        rows = dict(zip(uniq, await self._pool(tokenized)))
         scores = [float(np.dot(rows[a], rows[b]) / max(np.linalg.norm(rows[a]) * np.linalg.norm(rows[b]), 1e-12))
                   for a, b in zip(firsts, seconds)]
         return scores, sum(len(t) for t, _ in tokenized)
@@ -161,7 +169,7 @@ class ServingPooling:
         if core.task != "classify":
             raise OpenAIError("/classify needs a classification model", code="wrong_task")
         tokenized = await asyncio.to_thread(self._tokenize, io.as_inputs(req.input), req.truncate_prompt_tokens)
-        rows = await self.engine.pool(tokenized)
+        rows = await self._pool(tokenized)
         labels = core.model.cfg.id2label
         data = []
         for i, r in enumerate(rows):
@@ -174,11 +182,17 @@ class ServingPooling:
                              "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
 
-def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int = 16 * 1024 * 1024) -> Starlette:
-    """The ASGI app of a pooling engine (AsyncPoolingLLM)."""
+def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int = 16 * 1024 * 1024,
+                      state: lifecycle.ServerState | None = None, protect_metrics: bool = False,
+                      max_header_bytes: int = lifecycle.DEFAULT_MAX_HEADER_BYTES) -> Starlette:
+    """The ASGI app of a pooling engine (AsyncPoolingLLM), with the generate server's middleware."""
     from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, _endpoint, read_json
+    from jaxserve.entrypoints.openai.operator_routes import operator_routes
+    from jaxserve.entrypoints.openai.serving_chat import ServingChat
 
-    serving = ServingPooling(engine)
+    metrics = ServerMetrics(engine)
+    state = state or lifecycle.ServerState()
+    serving = ServingPooling(engine, metrics)
 
     def route(path: str, model: type[BaseModel], method):
         async def handler(request: Request) -> Response:
@@ -190,19 +204,6 @@ def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int
             raise wrong_runner("pooling", path)
         return Route(path, _endpoint(handler), methods=["POST"])
 
-    async def list_models(request: Request) -> Response:
-        card = {"id": engine.model_name, "object": "model", "created": int(time.time()), "owned_by": "jaxserve",
-                "root": engine.model_name, "max_model_len": engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
-
-    async def health(request: Request) -> Response:
-        if engine.errored:
-            return OpenAIError("The engine has stopped", status=503).response()
-        return Response(status_code=200)
-
-    async def version(request: Request) -> Response:
-        return JSONResponse({"version": jaxserve.__version__})
-
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         return OpenAIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code).response()
@@ -212,11 +213,13 @@ def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int
     routes += [route(p, RerankRequest, serving.rerank) for p in ("/rerank", "/v1/rerank", "/v2/rerank")]
     routes += [route("/classify", ClassificationRequest, serving.classify)]
     routes += [refuse(p) for p in GENERATE_ROUTES]
-    routes += [Route("/v1/models", _endpoint(list_models), methods=["GET"]),
-               Route("/health", _endpoint(health), methods=["GET"]),
-               Route("/version", _endpoint(version), methods=["GET"])]
+    routes += operator_routes(engine, ServingChat(engine, metrics, None), metrics, state, max_body_bytes)
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
+    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state,
+                       max_header_bytes=max_header_bytes)  # outermost
     app.state.engine = engine
+    app.state.lifecycle = state
+    app.state.metrics = metrics
     return app
