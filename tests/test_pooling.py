@@ -119,6 +119,7 @@ def test_http_token_id_inputs_and_truncation(url: str, llm: LLM, reference: np.n
     ({"input": "hello", "dimensions": 128}, "dimensions"),  # not a Matryoshka model
     ({"input": "hello", "encoding_format": "int8"}, "encoding_format"),
     ({"input": [10 ** 9]}, "input"),
+    ({"input": ["ok", ""], "add_special_tokens": False}, "input"),  # no tokens at all
 ])
 def test_bad_embedding_requests_are_400_and_the_server_stays_up(url: str, body: dict, param: str) -> None:
     r = httpx.post(f"{url}/v1/embeddings", json=body, timeout=60)

@@ -102,6 +102,8 @@ class PoolingEngine:
         return getattr(self.model.cfg, "num_labels", 0)
 
     def check_length(self, token_ids: list[int], field: str = "input") -> None:
+        if not token_ids:
+            raise ValueError(f"{field}: an input has no tokens (an empty text without special tokens)")
         if len(token_ids) > self.max_model_len:
             raise ValueError(f"{field}: this model's maximum context length is {self.max_model_len} tokens, "
                              f"but the input has {len(token_ids)} tokens; shorten it or set truncate_prompt_tokens")
