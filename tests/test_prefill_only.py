@@ -164,3 +164,22 @@ def test_matryoshka_dimensions_only_when_config_declares_them(tmp_path) -> None:
         io.check_dimensions(info, 3, 8)
     cut = io.embedding(np.arange(8, dtype=np.float32), 4, normalize=True)
     assert cut.shape == (4,) and abs(float(np.linalg.norm(cut)) - 1) < 1e-6
+
+
+def test_a_step_in_flight_does_not_hold_back_the_next() -> None:
+    """The pooling engine launches step N+1 before step N's update: N's requests are running (awaiting
+    their rows) and are not scheduled again; max_num_seqs bounds each step's rows, not the two together."""
+    s = _padded(max_num_seqs=4, budget=256)
+    for i in range(10):
+        s.add_request(_pooling(str(i), 5 + i, arrival=float(i)))
+    first = s.schedule()
+    second = s.schedule()
+    assert [r.request_id for r in first.scheduled] == ["0", "1", "2", "3"]
+    assert [r.request_id for r in second.scheduled] == ["4", "5", "6", "7"]
+    assert s.stats().num_running == 8 and s.stats().num_waiting == 2
+    s.abort_requests(["5"])  # aborted in flight: its row is dropped
+    assert [u.request_id for u in s.update(first, _rows(first))] == ["0", "1", "2", "3"]
+    third = s.schedule()
+    assert [u.request_id for u in s.update(second, _rows(second))] == ["4", "6", "7"]
+    assert [u.request_id for u in s.update(third, _rows(third))] == ["8", "9"]
+    assert not s.has_unfinished_requests() and s.stats().num_prompt_tokens == sum(range(5, 15))

@@ -92,11 +92,12 @@ def pack(waiting: list[Request], max_rows: int, budget: int, padded: PaddedBatch
     if not waiting or max_rows <= 0:
         return []
     window = waiting[:WINDOW_ROWS * max_rows]
-    by_len = sorted(range(len(window)), key=lambda i: (window[i].num_tokens, i))  # ties: the older first
+    lengths = [r.num_tokens for r in window]
+    by_len = sorted(range(len(window)), key=lambda i: (lengths[i], i))  # ties: the older first
     run: list[int] = []  # indices into window; 0 is the oldest request
     has_oldest = False
     for i in by_len:
-        if run and (len(run) >= max_rows or not padded.fits(len(run) + 1, window[i].num_tokens, budget)):
+        if run and (len(run) >= max_rows or not padded.fits(len(run) + 1, lengths[i], budget)):
             if has_oldest:
                 break
             run = []

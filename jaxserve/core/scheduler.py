@@ -357,7 +357,9 @@ class Scheduler:
         """A padded-[B, S] runner: the waiting prefill-only requests packed by length, the oldest's run
         first (prefill_only.pack); they take no KV blocks, the padded size counts against the budget."""
         padded = self.config.padded_batching
-        room = min(self._step_max_seqs - len(out.scheduled), self.config.max_num_seqs - len(self.running))
+        # max_num_seqs bounds a step's rows: the running requests hold no blocks, only a row to come from
+        # a step in flight, so the next step may be scheduled (and run) before that step's update.
+        room = self._step_max_seqs - len(out.scheduled)
         if room <= 0 or not self.waiting:
             return
         window = [self.waiting.popleft() for _ in range(min(len(self.waiting), prefill_only.WINDOW_ROWS * room))]

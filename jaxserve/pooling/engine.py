@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from jaxserve.core.prefill_only import PaddedBatching, length_buckets, power_buckets
 from jaxserve.core.request import Request
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.scheduler import ModelOutput, Scheduler, SchedulerConfig
+from jaxserve.core.scheduler import ModelOutput, Scheduler, SchedulerConfig, SchedulerOutput
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.pooling import model as pooling_model
@@ -76,6 +76,7 @@ class PoolingEngine:
             num_blocks=1, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=max(self.max_model_len, 2), padded_batching=padded))
         self.grid = padded.grid(args.max_num_seqs, budget)
+        self._in_flight: tuple[SchedulerOutput, jax.Array] | None = None  # the step launched last
         # --dtype auto on a CPU with bfloat16 dot instructions: bfloat16 dots, as the generate runner's
         # (engine/config.py); the steps a pooling model runs are all past its 64-token threshold.
         on_cpu = jax.default_backend() == "cpu"
@@ -120,11 +121,21 @@ class PoolingEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> dict[str, np.ndarray]:
-        """One [B, S] program over the scheduler's next batch; request id -> its raw row (embedding or
-        logits), for every request the step finished."""
+        """Launch the scheduler's next [B, S] batch, then wait for the step launched before it: the device
+        runs one step while the host packs the next (one step in flight). Request id -> its raw row
+        (embedding or logits), for every request of the step that finished."""
         out = self.scheduler.schedule()
-        if not out.scheduled:
+        launched = (out, self._launch(out)) if out.scheduled else None
+        done, self._in_flight = self._in_flight, launched
+        if done is None:
             return {}
+        out, rows = done
+        rows = np.asarray(rows)  # waits for the device
+        pooled = {sched.request_id: rows[i] for i, sched in enumerate(out.scheduled)}
+        return {u.request_id: u.pooled for u in self.scheduler.update(out, ModelOutput(pooled=pooled))}
+
+    def _launch(self, out: SchedulerOutput) -> jax.Array:
+        """The step's program, dispatched (asynchronously) on its padded inputs -> rows [B, D] on the device."""
         ids = np.zeros(out.padded_shape, np.int32)
         types = np.zeros_like(ids)
         lens = np.zeros((out.padded_shape[0],), np.int32)
@@ -133,9 +144,7 @@ class PoolingEngine:
             ids[i, :n], lens[i] = sched.token_ids, n
             if sched.token_type_ids is not None:
                 types[i, :n] = sched.token_type_ids
-        rows = np.asarray(self._programs[out.padded_shape](self.model.params, ids, types, lens))
-        pooled = {sched.request_id: rows[i] for i, sched in enumerate(out.scheduled)}
-        return {u.request_id: u.pooled for u in self.scheduler.update(out, ModelOutput(pooled=pooled))}
+        return self._programs[out.padded_shape](self.model.params, ids, types, lens)
 
     def get_stats(self) -> EngineStats:
         now = num_compilations()
@@ -158,7 +167,7 @@ class PoolingEngine:
         return [results[r] for r in ids]
 
     def shutdown(self) -> None:
-        self._programs = {}
+        self._programs, self._in_flight = {}, None
 
 
 _ids = itertools.count()
