@@ -124,10 +124,10 @@ def _greedy(backend: str, monkeypatch) -> list[list[int]]:
     from jaxserve.engine import llm_engine
 
     monkeypatch.setattr(llm_engine, "resolve_backend", lambda name: backend)
-    llm = LLM(_random_model(CFG), progress=False, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+    llm = LLM(_random_model(CFG), progress=False, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
               max_model_len=64, num_gpu_blocks_override=32, enable_prefix_caching=False, compilation_cache_dir="")
     rng = np.random.default_rng(1)
-    prompts = [{"prompt_token_ids": rng.integers(0, CFG.vocab_size, n).tolist()} for n in (3, 17, 9)]
+    prompts = [{"prompt_token_ids": rng.integers(0, CFG.vocab_size, n).tolist()} for n in (3, 11)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 

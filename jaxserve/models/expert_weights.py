@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from jaxserve.quantization.mxfp4 import Mxfp4Weight, dequantize_experts
 from jaxserve.quantization.qweight import QuantizedWeight, dequantize
-from pallas_kernels.grouped_matmul import align_block_size
+from pallas_kernels.grouped_matmul import align_block_size, num_row_blocks
 from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pallas_kernels.grouped_matmul import supported as pallas_supported
 
@@ -94,7 +94,7 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     get 0) times each row's expert -> [M, N] in lhs.dtype. `dtype`: the operands' dtype (float32
     accumulation); None: lhs's. See the module docstring for the paths."""
     dtype = dtype or lhs.dtype
-    num_blocks = align_block_size(group_sizes, lhs.shape[0], XLA_BLOCK_M)[0].shape[0]
+    num_blocks = num_row_blocks(lhs.shape[0], num_experts(w), XLA_BLOCK_M)  # static
     if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
         w = whole(w, dtype)
     if backend in (PALLAS, PALLAS_INTERPRET) and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[2]):
