@@ -153,3 +153,20 @@ def test_grouped_swiglu_equals_the_xla_paths(num_tokens):
     want = moe.expert_swiglu(x, ids, ex)
     got = jax.jit(moe.expert_swiglu, static_argnames="backend")(x, ids, ex, backend=PALLAS_INTERPRET)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_block_experts_lower_for_cuda():
+    """Block-wise fp8 expert stacks on the Pallas backend (the XLA blocked grouped matmul, each
+    row block's expert dequantized) lower for cuda beside the attention kernels."""
+    from jaxserve.quantization.qweight import QuantizedWeight
+
+    shapes = llama.param_shapes(CFG)
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), shapes, is_leaf=lambda x: isinstance(x, tuple))
+    for leaf in ("we_gate", "we_up", "we_down"):
+        *lead, k, n = shapes["layers"][leaf]
+        params["layers"][leaf] = QuantizedWeight(
+            jax.ShapeDtypeStruct((*lead, k, n), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((*lead, -(-k // 32), -(-n // 32)), jnp.float32),
+            scheme="fp8_block", group_size=32, block_cols=32)
+    text = _export(CFG, params)
+    assert "paged_attention_decode" in text and "f8E4M3FN" in text
