@@ -12,6 +12,7 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
                   width k x I at T rows, its time), summed
 
     .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts fp8_block|mxfp4]
+    .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / fp8_block / mxfp4 stacks
 
 --experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
 checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it
@@ -23,6 +24,7 @@ Targets (issue 38): moe within 1.5x of (a) at 1 and 4 tokens, within 2x of (b) a
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -143,5 +145,29 @@ def main() -> None:
               f"{ms(times['ragged']) if 'ragged' in times else '-'} |", flush=True)
 
 
+def forms_table(hidden: int, repeats: int) -> None:
+    """moe.moe with the same routing over float32, block-wise fp8 and MXFP4 expert stacks, timed
+    side by side in one process (--forms)."""
+    i = int(hidden * WIDTH)
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa: E731
+    ex = moe.Experts(w(NUM_EXPERTS, hidden, i), w(NUM_EXPERTS, hidden, i), w(NUM_EXPERTS, i, hidden))
+    router = moe.Router(w(hidden, NUM_EXPERTS), None, TOP_K, True)
+    forms = {f: pack(ex, f) for f in ("float", "fp8_block", "mxfp4")}
+    run = jax.jit(moe.moe)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {hidden}, {NUM_EXPERTS} experts of "
+          f"width {i}, top-{TOP_K}, x float32; moe.moe ms, median of {repeats}")
+    print("| tokens | float32 | fp8_block | fp8/float | mxfp4 | mxfp4/float |\n|---|---|---|---|---|---|")
+    for t in TOKENS:
+        x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
+        ms = {f: timeit(run, x, router, e, repeats=repeats) * 1e3 for f, e in forms.items()}
+        print(f"| {t} | {ms['float']:.3f} | {ms['fp8_block']:.3f} | {ms['fp8_block'] / ms['float']:.2f} | "
+              f"{ms['mxfp4']:.3f} | {ms['mxfp4'] / ms['float']:.2f} |", flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if "--forms" in sys.argv:
+        sys.argv.remove("--forms")
+        forms_table(512, 10)
+    else:
+        main()
