@@ -72,37 +72,62 @@ def test_decode_step_holds_the_grouped_matmul_kernel():
     assert "grouped_matmul" in text
 
 
-EP_EXPORT = r'''
-import dataclasses, re, jax, jax.numpy as jnp
-from jaxserve.models import llama
+PARALLEL_EXPORT = r'''
+import re, jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from jaxserve.models import llama, moe
+from jaxserve.models.attention import PALLAS_INTERPRET
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.sharding import ModelShardings
 from tests import test_moe_pallas as t
-cfg = with_expert_parallel(t.CFG, True)
-shardings = ModelShardings.create(make_mesh(2), cfg).params
-params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh), llama.param_shapes(cfg),
-                      shardings, is_leaf=lambda x: isinstance(x, tuple))
-text = t._export(cfg, params)
-print("KERNELS", sorted(set(re.findall(r'xla.gpu.triton.*?name = "([a-z_]+)"', text))), "shard_map" in text
-      or "sdy.manual_computation" in text or "Sharding = \"{manual}\"" in text)
+mesh = make_mesh(2)
+for ep in (True, False):
+    cfg = with_expert_parallel(t.CFG, ep)
+    shardings = ModelShardings.create(mesh, cfg).params
+    params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh), llama.param_shapes(cfg),
+                          shardings, is_leaf=lambda x: isinstance(x, tuple))
+    text = t._export(cfg, params)
+    kernels = sorted(set(re.findall(r'xla.gpu.triton.*?name = "([a-z_]+)"', text)))
+    rhs = sorted(set(re.findall(r'name = "grouped_matmul".*, (tensor<\d+x\d+x\d+xbf16>)\) ->', text)))
+    print("EXPORT", "ep" if ep else "tp", kernels, rhs)
+# the same shard_maps in interpret mode, against the unsplit XLA block
+rng = np.random.default_rng(0)
+w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)
+ex = moe.Experts(w(8, 64, 32), w(8, 64, 32), w(8, 32, 64))
+router = moe.Router(w(64, 8), None, top_k=2)
+x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
+want = moe.moe(x, router, ex)
+run = jax.jit(moe.moe, static_argnames=("expert_parallel", "backend"))
+for ep, specs in ((True, (P("model"),) * 3), (False, (P(None, None, "model"),) * 2 + (P(None, "model", None),))):
+    split = moe.Experts(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((ex.w_gate, ex.w_up, ex.w_down), specs)))
+    got = run(x, router, split, expert_parallel=ep, backend=PALLAS_INTERPRET)
+    print("INTERPRET", "ep" if ep else "tp", float(jnp.max(jnp.abs(got - want))))
 '''
 
 
-def test_expert_parallel_decode_step_lowers_with_the_kernel():
-    """--enable-expert-parallel: the experts split over 2 devices, each shard's grouped matmuls in a
-    shard_map, one psum (a subprocess with 2 fake CPU devices)."""
+def test_parallel_decode_steps_lower_with_the_kernel_on_each_shard():
+    """TP 2 over 2 fake CPU devices (a subprocess): with --enable-expert-parallel each device's
+    grouped matmuls take its E / 2 experts; without, every expert's I / 2 slice (a shard_map: XLA
+    cannot partition a Pallas kernel and would gather the whole stacks). One psum each. In
+    interpret mode both shard_maps equal the unsplit block."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", EP_EXPORT], env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[1])
+    proc = subprocess.run([sys.executable, "-c", PARALLEL_EXPORT], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = proc.stdout.strip().splitlines()[-1]
-    assert "grouped_matmul" in line and "paged_attention_decode" in line and line.endswith("True"), line
+    lines = {tuple(line.split()[:2]): line for line in proc.stdout.splitlines() if line.startswith(("EXPORT", "INT"))}
+    ep, tp = lines["EXPORT", "ep"], lines["EXPORT", "tp"]
+    for line in (ep, tp):
+        assert "'grouped_matmul'" in line and "'paged_attention_decode'" in line, line
+    assert "tensor<4x64x32xbf16>" in ep and "tensor<4x32x64xbf16>" in ep, ep  # E / 2 experts each
+    assert "tensor<8x64x16xbf16>" in tp and "tensor<8x16x64xbf16>" in tp, tp  # I / 2 of every expert
+    for mode in ("ep", "tp"):
+        assert float(lines["INTERPRET", mode].split()[-1]) < 1e-5, lines["INTERPRET", mode]
 
 
 def _random_model(cfg: ModelConfig):

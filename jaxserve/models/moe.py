@@ -40,6 +40,8 @@ Expert parallelism (`--enable-expert-parallel`): the expert axis is split over t
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
 experts (others get weight 0 and are sorted past the last group), and one `psum` adds the
 devices' partial sums (shard_map; the mesh is the jit's own, read from the weights' avals).
+Without the flag, on the Pallas backend, the same shard_map runs each device's slice of every
+expert's intermediate axis (`_intermediate_split`): XLA cannot partition a Pallas kernel itself.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.expert_weights import (PALLAS, PALLAS_INTERPRET, ExpertWeight, expert_weight, first_leaf,
-                                            grouped_matmul)
+                                            grouped_matmul, is_packed)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul
 
@@ -105,7 +107,11 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig).
     backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
     ids, weights = route(x, router, dots)
-    mesh = _expert_mesh(experts) if expert_parallel else None
+    mesh = _expert_mesh(experts) if expert_parallel or backend in (PALLAS, PALLAS_INTERPRET) else None
+    if mesh is not None and not expert_parallel:
+        if is_packed(experts.w_gate):  # the XLA blocked path, which XLA partitions itself
+            return _combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype)
+        return _intermediate_split(x, ids, weights, experts, dots, backend, mesh)
     if mesh is None:
         return _combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype)
 
@@ -118,6 +124,21 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
 
     spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones too) is [E, ...]
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
+                         check_vma=False)(x, ids, weights, experts)
+
+
+def _intermediate_split(x, ids, weights, experts: Experts, dots, backend: str, mesh) -> jax.Array:
+    """Tensor parallelism without expert parallelism, on the Pallas backend (float stacks): each
+    device runs the grouped matmuls on its slice of every expert's intermediate axis (gate/up
+    columns, down rows: moe_layers.moe_partition_rules' placement) inside a shard_map -- a Pallas kernel has no partitioning rule, so
+    XLA would otherwise gather the whole stacks to every device -- and one psum adds the partial
+    down projections, as a dense MLP's all-reduce."""
+    specs = Experts(P(None, None, MODEL_AXIS), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None))  # moe_layers' plan
+
+    def shard(x, ids, weights, experts):
+        return jax.lax.psum(_combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype), MODEL_AXIS)
+
+    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
 
 
