@@ -108,11 +108,9 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
     ids, weights = route(x, router, dots)
     mesh = _expert_mesh(experts) if expert_parallel or backend in (PALLAS, PALLAS_INTERPRET) else None
-    if mesh is not None and not expert_parallel:
-        if is_packed(experts.w_gate):  # the XLA blocked path, which XLA partitions itself
-            return _combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype)
+    if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, dots, backend, mesh)
-    if mesh is None:
+    if mesh is None or not expert_parallel:
         return _combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype)
 
     def shard(x, ids, weights, experts):  # experts: this device's E / n of them
@@ -125,6 +123,13 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones too) is [E, ...]
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
+
+
+def _kernel_on_slices(experts: Experts, mesh) -> bool:
+    """Whether the Pallas kernel runs on each device's intermediate slice: float stacks whose I
+    divides over the model axis (packed ones take the XLA blocked path, which XLA partitions; an
+    I that does not divide is replicated, nothing to gather)."""
+    return not is_packed(experts.w_gate) and experts.w_gate.shape[-1] % dict(mesh.shape)[MODEL_AXIS] == 0
 
 
 def _intermediate_split(x, ids, weights, experts: Experts, dots, backend: str, mesh) -> jax.Array:
