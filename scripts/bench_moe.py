@@ -11,7 +11,12 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
                   1 row, U = experts the batch touches) plus the active FLOPs (a dense SwiGLU of
                   width k x I at T rows, its time), summed
 
-    .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20]
+    .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts fp8_block|mxfp4]
+    .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / fp8_block / mxfp4 stacks
+
+--experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
+checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it
+takes float stacks only). The bounds stay float32.
 
 Targets (issue 38): moe within 1.5x of (a) at 1 and 4 tokens, within 2x of (b) at 64+.
 """
@@ -19,6 +24,7 @@ Targets (issue 38): moe within 1.5x of (a) at 1 and 4 tokens, within 2x of (b) a
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import jax
@@ -76,24 +82,52 @@ def forced(path: str):
     return run
 
 
+def pack(ex: moe.Experts, form: str) -> moe.Experts:
+    """The float stacks [E, K, N] in `form`, as a checkpoint of that format loads them."""
+    if form == "float":
+        return ex
+    from jaxserve.quantization.mxfp4 import Mxfp4Weight
+    from jaxserve.quantization.qweight import fp8_block
+
+    def one(w):
+        w = np.asarray(w)
+        if form == "fp8_block":
+            bk = bn = 64  # 128 in the hub format; 64 divides this scaled-down width (192)
+            e, k, n = w.shape
+            blocks = np.abs(w.reshape(e, k // bk, bk, n // bn, bn)).max(axis=(2, 4)) / 448.0  # [E, K/bk, N/bn]
+            q = w / np.repeat(np.repeat(blocks, bk, 1), bn, 2)
+            vals = np.asarray(jnp.asarray(q).astype(jnp.float8_e4m3fn))
+            qws = [fp8_block(vals[x].T, blocks[x].T, (bn, bk)) for x in range(e)]
+            return jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *qws)
+        rng = np.random.default_rng(1)  # MXFP4: random codes (speed only; values do not matter here)
+        e, k, n = w.shape
+        return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)),
+                           jnp.full((e, n, k // 32), 120, jnp.uint8))
+
+    return moe.Experts(one(ex.w_gate), one(ex.w_up), one(ex.w_down))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--experts", default="float", choices=["float", "fp8_block", "mxfp4"])
     args = p.parse_args()
     h, i = args.hidden, int(args.hidden * WIDTH)
     rng = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa: E731
     ex = moe.Experts(w(NUM_EXPERTS, h, i), w(NUM_EXPERTS, h, i), w(NUM_EXPERTS, i, h))
+    ex = pack(ex, args.experts)
     router = moe.Router(w(h, NUM_EXPERTS), None, TOP_K, True)
     active = (w(h, TOP_K * i), w(h, TOP_K * i), w(TOP_K * i, h))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {h}, {NUM_EXPERTS} experts of "
-          f"width {i}, top-{TOP_K}, float32; median of {args.repeats}")
+          f"width {i}, top-{TOP_K}, float32, experts {args.experts}; median of {args.repeats}")
     print("| tokens | touched | moe ms | path | (a) dense ms | moe/(a) | (b) ms | moe/(b) | sorted ms | "
           "gather ms | ragged_dot ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    fns = {"moe": jax.jit(moe.moe), "sorted": jax.jit(forced("sorted")), "gather": jax.jit(forced("gather")),
-           "ragged": jax.jit(ragged)}
+    fns = {"moe": jax.jit(moe.moe), "sorted": jax.jit(forced("sorted")), "gather": jax.jit(forced("gather"))}
+    if args.experts == "float":
+        fns["ragged"] = jax.jit(ragged)
     dense = jax.jit(dense_swiglu)
     for t in TOKENS:
         x = jnp.asarray(rng.standard_normal((t, h), np.float32))
@@ -108,8 +142,32 @@ def main() -> None:
         ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
         print(f"| {t} | {touched} | {ms(times['moe'])} | {path} | {ms(a)} | {times['moe'] / a:.2f} | {ms(b)} | "
               f"{times['moe'] / b:.2f} | {ms(times['sorted'])} | {ms(times['gather']) if 'gather' in times else '-'} | "
-              f"{ms(times['ragged'])} |", flush=True)
+              f"{ms(times['ragged']) if 'ragged' in times else '-'} |", flush=True)
+
+
+def forms_table(hidden: int, repeats: int) -> None:
+    """moe.moe with the same routing over float32, block-wise fp8 and MXFP4 expert stacks, timed
+    side by side in one process (--forms)."""
+    i = int(hidden * WIDTH)
+    rng = np.random.default_rng(0)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa: E731
+    ex = moe.Experts(w(NUM_EXPERTS, hidden, i), w(NUM_EXPERTS, hidden, i), w(NUM_EXPERTS, i, hidden))
+    router = moe.Router(w(hidden, NUM_EXPERTS), None, TOP_K, True)
+    forms = {f: pack(ex, f) for f in ("float", "fp8_block", "mxfp4")}
+    run = jax.jit(moe.moe)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {hidden}, {NUM_EXPERTS} experts of "
+          f"width {i}, top-{TOP_K}, x float32; moe.moe ms, median of {repeats}")
+    print("| tokens | float32 | fp8_block | fp8/float | mxfp4 | mxfp4/float |\n|---|---|---|---|---|---|")
+    for t in TOKENS:
+        x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
+        ms = {f: timeit(run, x, router, e, repeats=repeats) * 1e3 for f, e in forms.items()}
+        print(f"| {t} | {ms['float']:.3f} | {ms['fp8_block']:.3f} | {ms['fp8_block'] / ms['float']:.2f} | "
+              f"{ms['mxfp4']:.3f} | {ms['mxfp4'] / ms['float']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    if "--forms" in sys.argv:
+        sys.argv.remove("--forms")
+        forms_table(512, 10)
+    else:
+        main()

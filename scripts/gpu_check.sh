@@ -17,6 +17,8 @@
 #   host_gap           scripts/bench_host_gap.py at the 8B shape: the device's wait between steps, sync vs async
 #   quant              scripts/gpu_quant.py, when present
 #   warmup_cost        per-program compile time of the 8B grid on the GPU (scripts/warmup_cost.py)
+#   moe30b             Qwen3-30B-A3B's shape (48 layers, 128 experts, top-8), random bf16: output tok/s at 8
+#                      and 64 sequences; the grouped matmul kernel vs ragged_dot at decode sizes (scripts/gpu_moe.py)
 #   embed_bert         BERT embeddings, random weights of all-MiniLM-L6-v2's and a bge-base-like shape:
 #                      requests/s and tokens/s at batch 64 of ~128 tokens, engine and program alone (scripts/gpu_embed.py)
 # Needs python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm, pyyaml, flax (the H200 image has
@@ -134,6 +136,7 @@ stage kernels 60 "$PYTHON" scripts/gpu_check.py $KERN
 stage profile8b 75 "$PYTHON" scripts/profile_step.py $PROF --compilation-cache-dir "$CACHE"
 # The device's wait between two steps at 256 decoding sequences, sync vs async
 [ -f scripts/bench_host_gap.py ] && stage host_gap 90 "$PYTHON" scripts/bench_host_gap.py $GAP
+stage moe30b 240 "$PYTHON" scripts/gpu_moe.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke) --compilation-cache-dir "$CACHE"
 stage embed_bert 120 "$PYTHON" scripts/gpu_embed.py --compilation-cache-dir "$CACHE" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 stage warmup_cost 45 env -u JAX_COMPILATION_CACHE_DIR "$PYTHON" scripts/warmup_cost.py $COST \
   --backend $([ "$SMOKE" = 1 ] && echo pallas-interpret || echo pallas)

@@ -20,7 +20,7 @@ touches, inside the program:
                                         cdiv(M, block_m) + min(E, M) of them), then one batched dot
 
 Values below 2^-126 (an e8m0 scale under 2, never seen in real checkpoints) are denormal floats,
-which XLA:CPU flushes to zero; transformers keeps them.
+which XLA:CPU flushes to zero (and scale 0 is read as 0 everywhere); transformers keeps them.
 """
 
 from __future__ import annotations
@@ -68,11 +68,17 @@ def from_hub(blocks: np.ndarray, scales: np.ndarray) -> Mxfp4Weight:
 
 
 def _unpack(blocks: jax.Array, scales: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """u8[..., N, G, 16], u8[..., N, G] -> [..., K, N] in dtype (K = 32 G)."""
-    lut = jnp.asarray(FP4_VALUES, jnp.float32)
-    pairs = jnp.stack([lut[blocks & 15], lut[blocks >> 4]], axis=-1)  # [..., N, G, 16, 2]
-    vals = pairs.reshape(*blocks.shape[:-1], BLOCK)  # [..., N, G, 32]
-    w = jnp.ldexp(vals, scales.astype(jnp.int32)[..., None] - 127)  # exact: a power-of-two scale
+    """u8[..., N, G, 16], u8[..., N, G] -> [..., K, N] in dtype (K = 32 G).
+
+    e2m1 by arithmetic, not a table lookup (a gather, 6x slower on XLA:CPU): code c = s eem,
+    |value| = m / 2 when ee = 0, else (1 + m / 2) 2^(ee - 1); the e8m0 scale 2^(scale - 127) is the
+    float32 whose exponent bits are `scale` (scale 0, 2^-127, a denormal: 0 here)."""
+    codes = jnp.stack([blocks & 15, blocks >> 4], axis=-1).astype(jnp.int32)  # [..., N, G, 16, 2]
+    exp, mant = (codes & 7) >> 1, (codes & 1).astype(jnp.float32)
+    mag = jnp.where(exp == 0, mant * 0.5, (1.0 + mant * 0.5) * (1 << jnp.maximum(exp - 1, 0)).astype(jnp.float32))
+    vals = jnp.where(codes >= 8, -mag, mag).reshape(*blocks.shape[:-1], BLOCK)  # [..., N, G, 32]
+    scale = jax.lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)  # [..., N, G]
+    w = vals * scale[..., None]  # exact: a power-of-two scale
     return jnp.swapaxes(w.reshape(*w.shape[:-2], -1), -1, -2).astype(dtype)  # [..., K, N]
 
 

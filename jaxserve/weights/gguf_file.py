@@ -19,15 +19,17 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader
-from gguf.quants import dequantize
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
 from jaxserve.weights.assemble import PlaceFn, assemble_params
+
+if TYPE_CHECKING:  # the gguf package is imported where a GGUF file is read (the GPU image lacks it)
+    from gguf import GGMLQuantizationType, GGUFReader
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -109,6 +111,8 @@ def _read_index(path: Path, index: Path) -> GGUFHeader | None:
         d = json.loads(index.read_text())
         if d.get("format") != INDEX_FORMAT:
             return None
+        from gguf import GGMLQuantizationType
+
         raw = np.memmap(path, np.uint8, mode="r")
         tensors = {}
         for name, qtype, dtype, shape, offset in d["tensors"]:
@@ -126,6 +130,8 @@ def _read_index(path: Path, index: Path) -> GGUFHeader | None:
 def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
+    from gguf import GGUFReader
+
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/struct errors on truncated or foreign files
@@ -190,6 +196,8 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool = True,
               place_leaf: PlaceFn | None = None) -> Params:
+    from gguf.quants import dequantize
+
     cfg, arch, tensors = header.config, header.architecture, header.tensors
 
     def get(hf_name: str) -> np.ndarray:

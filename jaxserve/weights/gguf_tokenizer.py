@@ -11,12 +11,15 @@ the file (or under ~/.cache/jaxserve/gguf when that folder is read-only).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from gguf import GGUFReader
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from jaxserve.weights.gguf_file import cache_path, field, open_gguf
+
+if TYPE_CHECKING:  # gguf is imported where a GGUF file is read (the GPU image lacks it)
+    from gguf import GGUFReader
 
 CONTROL, USER_DEFINED = 3, 4
 # Pre-tokenizer split patterns for the `tokenizer.ggml.pre` values whose merges were not
