@@ -19,6 +19,12 @@ CHECKPOINTS = {
                                          norm_topk_prob=True)),
     "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2)),
 }
+# gpt-oss (its own test, tests/test_gpt_oss.py): 2 layers, sliding (window 8) then full, YaRN RoPE
+GPT_OSS = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+               max_position_embeddings=256, tie_word_embeddings=False,
+               rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                                    truncate=False, original_max_position_embeddings=64))
 PROMPTS = [[5, 17, 3, 99, 42, 7, 1, 250, 11, 64, 9, 30, 2, 77, 18, 100, 6, 41], [8], [200, 3, 77, 9, 64]]
 MAX_TOKENS = 8
 # the exact float32 configuration (worker/sizing.py)
@@ -31,12 +37,35 @@ def save_checkpoint(name: str, out: Path) -> Path:
     import transformers
 
     cls_name, extra = CHECKPOINTS[name]
-    cfg = getattr(transformers, cls_name)(**COMMON, **extra)
+    return save_model(getattr(transformers, cls_name)(**COMMON, **extra), out)
+
+
+def save_gpt_oss(out: Path) -> Path:
+    """The GPT_OSS model saved in bfloat16, its attention sinks large enough to matter."""
+    import torch
+    import transformers
+
+    def sinks(model) -> None:
+        for name, p in model.named_parameters():
+            if name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn_like(p) * 2.0)
+
+    return save_model(transformers.GptOssConfig(**GPT_OSS), out, sinks)
+
+
+def save_model(cfg, out: Path, tweak=None) -> Path:
+    """A random model of transformers config `cfg` saved with save_pretrained in bfloat16 (`tweak`:
+    a last change to its float32 parameters, under no_grad)."""
+    import torch
+    import transformers
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():  # larger weights than the default init, so the logits are far from uniform
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
+        if tweak is not None:
+            tweak(model)
     model.to(torch.bfloat16).save_pretrained(out)
     save_word_tokenizer(out, cfg.vocab_size)
     return out

@@ -38,6 +38,7 @@ devices' partial sums (shard_map; the mesh is the jit's own, read from the weigh
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +53,16 @@ MODEL_AXIS = "model"
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Experts:
-    """The stacked weights of E experts (SwiGLU), as one layer sees them."""
+    """The stacked weights of E experts (SwiGLU), as one layer sees them; a family's variations are
+    optional biases and its own gated activation (gpt-oss: both)."""
     w_gate: jax.Array  # [E, H, I]
     w_up: jax.Array  # [E, H, I]
     w_down: jax.Array  # [E, I, H]
+    b_gate: jax.Array | None = None  # [E, I]
+    b_up: jax.Array | None = None  # [E, I]
+    b_down: jax.Array | None = None  # [E, H]
+    # (gate [C, I], up [C, I]) -> [C, I]; None: silu(gate) * up. Static: hashable, compared by value.
+    activation: Callable[[jax.Array, jax.Array], jax.Array] | None = field(default=None, metadata=dict(static=True))
 
     @property
     def num_experts(self) -> int:
@@ -104,7 +111,7 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
         y = expert_swiglu(x, jnp.where(mine, ids, local), experts, dots)  # id `local`: not computed
         return jax.lax.psum(_combine(y, jnp.where(mine, weights, 0.0), x.dtype), MODEL_AXIS)
 
-    spec = Experts(P(MODEL_AXIS), P(MODEL_AXIS), P(MODEL_AXIS))
+    spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf split on its expert axis
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
 
@@ -143,8 +150,12 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array, dots) -> jax.Array:
     cast = (lambda a: a.astype(dots)) if dots is not None else (lambda a: a)
     gate = jnp.dot(cast(x), cast(experts.w_gate[e]), preferred_element_type=c)
     up = jnp.dot(cast(x), cast(experts.w_up[e]), preferred_element_type=c)
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    return jnp.dot(cast(h), cast(experts.w_down[e]), preferred_element_type=c).astype(x.dtype)
+    if experts.b_gate is not None:
+        gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
+    act = experts.activation or (lambda g, u: jax.nn.silu(g) * u)
+    h = act(gate, up).astype(x.dtype)
+    out = jnp.dot(cast(h), cast(experts.w_down[e]), preferred_element_type=c)
+    return (out if experts.b_down is None else out + experts.b_down[e]).astype(x.dtype)
 
 
 def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> jax.Array:

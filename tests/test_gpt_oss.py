@@ -1,0 +1,128 @@
+"""gpt-oss (GptOssForCausalLM) against transformers: a tiny random checkpoint saved by transformers'
+own class in bfloat16 (tests/moe_fixtures.py GPT_OSS: 2 layers, a sliding layer of window 8 then a
+full one, YaRN RoPE, attention sinks, biased router and experts), greedy tokens equal to
+transformers' float32 ones with the exact float32 flags on one device, TP 2, TP 2 with expert
+parallelism and PP 2 (4 fake CPU devices, one subprocess: tests/moe_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.moe_fixtures import engine_greedy, hf_greedy, make_engine, save_gpt_oss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# longer than the window (8) and than one step's token budget (16: chunked prefill), a short one, one token
+PROMPTS = [[5, 17, 3, 99, 42, 7, 1, 250, 11, 64, 9, 30, 2, 77, 18, 100, 6, 41, 12, 13, 14, 15], [8],
+           [200, 3, 77, 9, 64]]
+MAX_TOKENS = 8
+SETTINGS = {"gpt_oss": [[2, 1, False], [2, 1, True], [1, 2, False]]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    path = save_gpt_oss(tmp_path_factory.mktemp("gpt") / "gpt_oss")
+    return path, hf_greedy(path, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def multi_device(checkpoint) -> dict:
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": str(ROOT)}
+    opts = json.dumps({"settings": SETTINGS, "prompts": PROMPTS})
+    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", "--options", opts, str(checkpoint[0])],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_config_reads_gpt_oss_fields(checkpoint):
+    from jaxserve.weights.safetensors_dir import read_config
+
+    cfg = read_config(checkpoint[0])
+    assert cfg.family == "gpt_oss" and cfg.attention_bias and cfg.sliding_window == 8
+    assert cfg.sliding_layers == (0,)  # layer_types: sliding, full
+    assert cfg.rope_type == "yarn" and cfg.rope_scaling[:2] == (4.0, 64.0)
+    assert cfg.rope_scaling[4] == 0.0 and abs(cfg.rope_scaling[5] - (0.1 * np.log(4.0) + 1)) < 1e-12
+    m = cfg.moe
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.router) == (8, 2, 32, "topk_softmax")
+    assert (m.swiglu_limit, m.swiglu_alpha) == (7.0, 1.702)
+
+
+def test_yarn_frequencies_equal_transformers(checkpoint):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxserve.models.rope import attention_scale, inv_frequencies
+    from jaxserve.weights.safetensors_dir import read_config
+
+    cfg = read_config(checkpoint[0])
+    for truncate in (False, True):
+        hf = transformers.AutoConfig.from_pretrained(checkpoint[0])
+        hf.rope_parameters["truncate"] = truncate
+        inv, scale = ROPE_INIT_FUNCTIONS["yarn"](hf)
+        ours = cfg if not truncate else type(cfg).from_dict(
+            {**cfg.to_dict(), "rope_scaling": cfg.rope_scaling[:4] + (1.0,) + cfg.rope_scaling[5:]})
+        np.testing.assert_allclose(inv_frequencies(ours).astype(np.float32), inv.numpy(), rtol=1e-6)
+        assert abs(attention_scale(ours) - scale) < 1e-12
+
+
+def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
+    path, reference = checkpoint
+    # the window matters for these prompts: transformers with every layer full answers otherwise
+    full = tmp_path / "full"
+    shutil.copytree(path, full)
+    hf = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({**hf, "layer_types": ["full_attention"] * 2}))
+    assert hf_greedy(full, PROMPTS[:1], MAX_TOKENS) != reference[:1]
+
+    engine = make_engine(path)
+    try:
+        assert set(engine.model.params["layers"]) >= {"sinks", "sliding", "bo", "router_bias", "be_down"}
+        np.testing.assert_array_equal(np.asarray(engine.model.params["layers"]["sliding"]), [1.0, 0.0])
+        assert engine_greedy(engine, PROMPTS, MAX_TOKENS) == reference
+        assert engine.get_stats().num_compilations_after_warmup == 0
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("case", ["gpt_oss/tp2/pp1", "gpt_oss/tp2/pp1/ep", "gpt_oss/tp1/pp2"])
+def test_parallel_greedy_equals_transformers(checkpoint, multi_device, case):
+    r = multi_device[case]
+    assert r["tokens"] == checkpoint[1]
+    assert r["compiles_after_warmup"] == 0
+    if "tp2" in case:  # each device holds half the experts (EP: split on E) or half of each (split on I)
+        assert len(r["expert_bytes"]) == 2 and len(set(r["expert_bytes"].values())) == 1
+        assert r["expert_spec"].startswith("(None, 'model'" if case.endswith("/ep") else "(None, None, None, 'model'")
+
+
+def test_plan_sizes_gpt_oss_20b():
+    """The registry gives `jaxserve plan` / sizing the family: gpt-oss-20b's shape (its hub config.json's
+    fields, bf16 experts) counts OpenAI's model card's parameters, all in memory, half per device at TP 2."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.plan.estimate import active_params, total_params
+    from jaxserve.worker import sizing
+
+    hf = dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+              num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+              num_local_experts=32, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+              rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                   original_max_position_embeddings=4096, rope_theta=150000.0))
+    cfg = ModelConfig.from_hf(hf)
+    assert cfg.sliding_layers == tuple(range(0, 24, 2))
+    # OpenAI's card: 20.91 B total, 3.61 B active (its active count leaves out the input embedding)
+    assert round(total_params(cfg) / 1e9, 2) == 20.91
+    assert round((active_params(cfg) - cfg.vocab_size * cfg.hidden_size) / 1e9, 2) == 3.61
+    one = sizing.weight_bytes_per_device(cfg, 2)
+    assert abs(one - 2 * total_params(cfg)) < 1e6
+    assert abs(sizing.weight_bytes_per_device(cfg, 2, 2) - one / 2) < one * 0.02
