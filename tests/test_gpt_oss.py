@@ -126,3 +126,36 @@ def test_plan_sizes_gpt_oss_20b():
     one = sizing.weight_bytes_per_device(cfg, 2)
     assert abs(one - 2 * total_params(cfg)) < 1e6
     assert abs(sizing.weight_bytes_per_device(cfg, 2, 2) - one / 2) < one * 0.02
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_biased_clamped_experts_on_every_path(num_tokens):
+    """gpt-oss's experts (biases, clamped SwiGLU) through moe.expert_swiglu's gather / sorted paths and
+    the grouped path (the Pallas kernel in interpret mode) against numpy, ids past the experts
+    (expert parallelism's other devices: output 0) included."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.models import moe
+    from jaxserve.models.attention import PALLAS_INTERPRET
+    from jaxserve.models.gpt_oss import ClampedSwiGLU
+
+    rng = np.random.default_rng(num_tokens)
+    w = lambda *s: rng.standard_normal(s).astype(np.float32) * 2  # noqa: E731  (large: the clamps bite)
+    ws, bs = (w(8, 64, 32), w(8, 64, 32), w(8, 32, 64)), (w(8, 32), w(8, 32), w(8, 64))
+    ex = moe.Experts(*map(jnp.asarray, ws), *map(jnp.asarray, bs), ClampedSwiGLU(1.702, 7.0))
+    x = rng.standard_normal((num_tokens, 64)).astype(np.float32)
+    ids = rng.integers(0, 9, (num_tokens, 2)).astype(np.int32)  # 8: not computed
+    want = np.zeros((num_tokens, 2, 64), np.float64)
+    for t, j in np.ndindex(num_tokens, 2):
+        e = ids[t, j]
+        if e < 8:
+            gate = np.minimum(x[t] @ ws[0][e] + bs[0][e], 7.0)
+            up = np.clip(x[t] @ ws[1][e] + bs[1][e], -7.0, 7.0)
+            sigmoid = 0.5 * (1 + np.tanh(0.5 * 1.702 * gate))
+            want[t, j] = ((up + 1) * gate * sigmoid) @ ws[2][e] + bs[2][e]
+    assert np.abs(want).max() > 7  # the clamps and biases matter
+    run = jax.jit(moe.expert_swiglu, static_argnames="backend")
+    for backend in ("xla", PALLAS_INTERPRET):
+        got = run(jnp.asarray(x), jnp.asarray(ids), ex, backend=backend)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-3 * np.abs(want).max())

@@ -149,8 +149,10 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
             (k_cache, v_cache), md, layer, inv_freq, dots, lora_mask)
         h = h + attn_out
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        if lora_mask is None:
-            h = h + ffn(cfg, lp, x, dots)
+        if lora_mask is None and ffn is dense_mlp:
+            h = h + dense_mlp(cfg, lp, x, dots)
+        elif lora_mask is None:  # a family's block, told the backend (MoE: the Pallas grouped matmul)
+            h = h + ffn(cfg, lp, x, dots, backend=backend)
         elif ffn is dense_mlp:
             h = h + dense_mlp(cfg, lp, x, dots, lora_mask=lora_mask)
         else:

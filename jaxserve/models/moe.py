@@ -8,9 +8,16 @@
                                until the largest group is done (nothing is dropped)
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
-`expert_swiglu` is the one place the path is chosen; the GPU's grouped matmul
-(pallas_kernels/grouped_matmul.py: lhs [M, K] sorted by group, rhs [E, K, N], group_sizes
-[E] -> [M, N]) takes the sorted rows in `_sorted_swiglu`'s place.
+`expert_swiglu` is the one place the path is chosen. With the Pallas backend (GPU: the step's
+`backend`, as attention's) every size takes the grouped path instead: the T*k rows sorted by
+expert, then gate, up and down as three grouped matmuls (expert_weights.grouped_matmul: the
+Pallas Triton kernel pallas_kernels/grouped_matmul.py, lhs [M, K] sorted by group, rhs
+[E, K, N], group_sizes [E] -> [M, N]; a static grid of cdiv(M, 16) + min(E, M) row blocks, one
+expert each, so its cost follows the touched experts). The gather and sorted paths below are
+lax.map loops of small dots: right for XLA:CPU, a sequence of tiny kernels on a GPU.
+
+Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight):
+every path dequantizes only the experts it multiplies by, inside the program.
 
 Why these paths (XLA:CPU, jax 0.10, a shared 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
@@ -44,6 +51,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.models.expert_weights import (PALLAS, PALLAS_INTERPRET, ExpertWeight, expert_weight, first_leaf,
+                                            grouped_matmul)
+from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul
 
 GATHER_MAX_ROWS = 32  # T * k at or below which the gather path runs (decode of a few sequences)
@@ -53,20 +63,24 @@ MODEL_AXIS = "model"
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Experts:
-    """The stacked weights of E experts (SwiGLU), as one layer sees them; a family's variations are
-    optional biases and its own gated activation (gpt-oss: both)."""
-    w_gate: jax.Array  # [E, H, I]
-    w_up: jax.Array  # [E, H, I]
-    w_down: jax.Array  # [E, I, H]
+    """The stacked weights of E experts (SwiGLU), as one layer sees them (float, or packed:
+    expert_weights.py); a family's variations are optional biases and its own gated activation
+    (gpt-oss: both)."""
+    w_gate: ExpertWeight  # [E, H, I]
+    w_up: ExpertWeight  # [E, H, I]
+    w_down: ExpertWeight  # [E, I, H]
     b_gate: jax.Array | None = None  # [E, I]
     b_up: jax.Array | None = None  # [E, I]
     b_down: jax.Array | None = None  # [E, H]
     # (gate [C, I], up [C, I]) -> [C, I]; None: silu(gate) * up. Static: hashable, compared by value.
     activation: Callable[[jax.Array, jax.Array], jax.Array] | None = field(default=None, metadata=dict(static=True))
 
+    def act(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        return jax.nn.silu(gate) * up if self.activation is None else self.activation(gate, up)
+
     @property
     def num_experts(self) -> int:
-        return self.w_gate.shape[0]
+        return stack_size(self.w_gate)
 
 
 @jax.tree_util.register_dataclass
@@ -96,22 +110,23 @@ def route(x: jax.Array, router: Router, dots: jnp.dtype | None = None) -> tuple[
 
 
 def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None = None,
-        expert_parallel: bool = False) -> jax.Array:
+        expert_parallel: bool = False, backend: str = "xla") -> jax.Array:
     """x [T, H] -> [T, H]: each token through its top-k experts, weighted by the router.
-    expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig)."""
+    expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig).
+    backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
     ids, weights = route(x, router, dots)
     mesh = _expert_mesh(experts) if expert_parallel else None
     if mesh is None:
-        return _combine(expert_swiglu(x, ids, experts, dots), weights, x.dtype)
+        return _combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype)
 
     def shard(x, ids, weights, experts):  # experts: this device's E / n of them
         local = experts.num_experts
         ids = ids - jax.lax.axis_index(MODEL_AXIS) * local
         mine = (ids >= 0) & (ids < local)
-        y = expert_swiglu(x, jnp.where(mine, ids, local), experts, dots)  # id `local`: not computed
+        y = expert_swiglu(x, jnp.where(mine, ids, local), experts, dots, backend)  # id `local`: not computed
         return jax.lax.psum(_combine(y, jnp.where(mine, weights, 0.0), x.dtype), MODEL_AXIS)
 
-    spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf split on its expert axis
+    spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones, biases too) is [E, ...]
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
 
@@ -123,23 +138,26 @@ def _combine(y: jax.Array, weights: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def _expert_mesh(experts: Experts):
     """The jit's mesh when the experts are split over a "model" axis of more than one device."""
-    sharding = getattr(jax.typeof(experts.w_gate), "sharding", None)
+    sharding = getattr(jax.typeof(first_leaf(experts.w_gate)), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or dict(mesh.shape).get(MODEL_AXIS, 1) == 1:
         return None
     return mesh
 
 
-def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots: jnp.dtype | None = None) -> jax.Array:
+def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots: jnp.dtype | None = None,
+                  backend: str = "xla") -> jax.Array:
     """x [T, H], ids [T, k] (an id of E or more: a row nobody computes, output 0) -> [T, k, H].
     The one place the path is chosen (see the module docstring)."""
     num_tokens, k = ids.shape
-    if num_tokens * k <= GATHER_MAX_ROWS:
+    grouped = backend in (PALLAS, PALLAS_INTERPRET)
+    if num_tokens * k <= GATHER_MAX_ROWS and not grouped:
         return _gathered_swiglu(x, ids, experts, dots)
     flat = ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
-    y_sorted = _sorted_swiglu(x[order // k], sizes, experts, dots)  # [T*k, H]
+    swiglu = (lambda *a: _grouped_swiglu(*a, backend)) if grouped else _sorted_swiglu
+    y_sorted = swiglu(x[order // k], sizes, experts, dots)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
 
@@ -148,14 +166,28 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array, dots) -> jax.Array:
     """x [C, H] through expert e (traced) -> [C, H]; `dots`: bfloat16 operands, float32 sums."""
     c = jnp.float32 if dots is not None else None
     cast = (lambda a: a.astype(dots)) if dots is not None else (lambda a: a)
-    gate = jnp.dot(cast(x), cast(experts.w_gate[e]), preferred_element_type=c)
-    up = jnp.dot(cast(x), cast(experts.w_up[e]), preferred_element_type=c)
+    weight = lambda w: cast(expert_weight(w, e, x.dtype))  # noqa: E731  (packed: this expert dequantized)
+    gate = jnp.dot(cast(x), weight(experts.w_gate), preferred_element_type=c)
+    up = jnp.dot(cast(x), weight(experts.w_up), preferred_element_type=c)
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
-    act = experts.activation or (lambda g, u: jax.nn.silu(g) * u)
-    h = act(gate, up).astype(x.dtype)
-    out = jnp.dot(cast(h), cast(experts.w_down[e]), preferred_element_type=c)
+    h = experts.act(gate, up).astype(x.dtype)
+    out = jnp.dot(cast(h), weight(experts.w_down), preferred_element_type=c)
     return (out if experts.b_down is None else out + experts.b_down[e]).astype(x.dtype)
+
+
+def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots, backend: str) -> jax.Array:
+    """lhs [M, H] sorted by expert, sizes [E] (rows past their sum: output 0) -> [M, H] with three
+    grouped matmuls (expert_weights.grouped_matmul: the Pallas kernel on the Pallas backend)."""
+    gate = grouped_matmul(lhs, experts.w_gate, sizes, backend, dots)  # [M, I]
+    up = grouped_matmul(lhs, experts.w_up, sizes, backend, dots)
+    if experts.b_gate is None:
+        return grouped_matmul(experts.act(gate, up), experts.w_down, sizes, backend, dots)
+    row_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(lhs.shape[0]), side="right")  # [M]; E: no group
+    live = (row_expert < sizes.shape[0])[:, None]
+    bias = lambda b: jnp.where(live, b[jnp.minimum(row_expert, sizes.shape[0] - 1)], 0).astype(gate.dtype)  # noqa: E731
+    h = experts.act(gate + bias(experts.b_gate), up + bias(experts.b_up))
+    return grouped_matmul(h, experts.w_down, sizes, backend, dots) + bias(experts.b_down)
 
 
 def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> jax.Array:

@@ -24,13 +24,14 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import jax
-
+import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig, MoeConfig, num_experts_from_hf
 from jaxserve.models.llama import attention_shapes, dense_mlp, mlp_shapes
 from jaxserve.models.moe import Experts, Router, moe
+from jaxserve.quantization.qweight import QuantizedWeight, fp8_block, stack
 
 MODEL_AXIS = "model"
 
@@ -67,14 +68,16 @@ def moe_param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None) -> jax.Array:
+def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla") -> jax.Array:
     """One layer's feed-forward block: the routed experts (+ the gated shared expert), or the
-    dense MLP in a dense layer of a mixed model."""
+    dense MLP in a dense layer of a mixed model. backend: the step's ("pallas": moe.moe's grouped
+    matmul kernel)."""
     m = _moe(cfg)
 
     def sparse(x: jax.Array) -> jax.Array:
         router = Router(lp["router"], None, m.num_experts_per_tok, m.norm_topk_prob, m.router)
-        out = moe(x, router, Experts(lp["we_gate"], lp["we_up"], lp["we_down"]), dots, m.expert_parallel)
+        out = moe(x, router, Experts(lp["we_gate"], lp["we_up"], lp["we_down"]), dots, m.expert_parallel,
+                  backend)
         if m.shared_expert_intermediate_size:
             gate = jax.nn.sigmoid(x @ lp["ws_router"])  # [T, 1]
             out = out + gate * dense_mlp(cfg, lp, x, dots, prefix="ws")
@@ -132,8 +135,10 @@ def expert_readers(cfg: ModelConfig, blocks: tuple[str, ...], per_expert: tuple[
         return np.asarray(get(f"{prefix}{block(get, prefix)}.gate.weight")).T  # [E, H] -> [H, E]
 
     def expert(which: int) -> Callable:
-        def read(get, prefix: str) -> np.ndarray:
+        def read(get, prefix: str, linear=None):
             base = f"{prefix}{block(get, prefix)}.experts."
+            if linear is not None:  # a quantized checkpoint: a stacked host QuantizedWeight [E, K, N]
+                return quantized_experts(cfg, get, base, per_expert, which, linear)
             try:
                 fused = np.asarray(get(base + ("down_proj" if which == 2 else "gate_up_proj")))
             except KeyError:
@@ -142,11 +147,60 @@ def expert_readers(cfg: ModelConfig, blocks: tuple[str, ...], per_expert: tuple[
                 return np.swapaxes(fused, 1, 2)  # [E, H, I] -> [E, I, H]
             half = fused[:, :I] if which == 0 else fused[:, I:]
             return np.swapaxes(half, 1, 2)  # [E, I, H] -> [E, H, I]
-        return read
+        return takes_linear(read)
 
     return {"router": router, "we_gate": expert(0), "we_up": expert(1), "we_down": expert(2)}
 
 
+
+
+def takes_linear(read: Callable) -> Callable:
+    """Mark a reader (get, prefix, linear=None) that reads a quantized checkpoint's weights itself
+    (weights/assemble.py passes it the checkpoint's linear reader)."""
+    read.takes_linear = True
+    return read
+
+
+def unsupported_expert_quantization(method: str, scheme: str) -> str:
+    return (f"quantization: {method} ({scheme}) checkpoints are not supported for MoE experts; a MoE model's "
+            "experts load from block-wise fp8 (quant_method fp8 with weight_block_size, e.g. Qwen3-*-FP8, "
+            "transformers' FineGrainedFP8Config), mxfp4 (gpt-oss), or float weights (quantized at load with "
+            "--quantization fp8: attention and dense layers in e4m3, experts in the model dtype)")
+
+
+def quantized_experts(cfg: ModelConfig, get, base: str, per_expert: tuple[str, str, str], which: int, linear):
+    """One layer's gate (0), up (1) or down (2) experts of a block-wise FP8 checkpoint as one host
+    QuantizedWeight [E, K, N]: per-expert `{e}.{name}.weight` (e4m3 [N, K]) with their own
+    `weight_scale_inv`, or, as transformers' FineGrainedFP8 save_pretrained writes them, with the
+    layer's fused scales `gate_up_proj_scale_inv` [E, 2I / bn, H / bk] (gate block rows first) /
+    `down_proj_scale_inv` [E, H / bn, I / bk]; or fused fp8 weights `gate_up_proj` / `down_proj`
+    with those scales. `linear`: hf_linear.linear_reader's (prefix, (K, N)) -> QuantizedWeight."""
+    m = _moe(cfg)
+    E, I, H = m.num_experts, m.moe_intermediate_size, cfg.hidden_size
+    k, n = (I, H) if which == 2 else (H, I)
+    try:
+        get(f"{base}0.{per_expert[which]}.weight_scale_inv")
+    except KeyError:  # no per-expert scales: the fused ones below
+        pass
+    else:
+        return stack([linear(f"{base}{e}.{per_expert[which]}", (k, n)) for e in range(E)])
+    fused = "down_proj" if which == 2 else "gate_up_proj"
+    scales = np.asarray(get(f"{base}{fused}_scale_inv"), np.float32)  # [E, rows / bn, cols / bk]
+    if linear.spec.scheme != "fp8_block":
+        raise ValueError(unsupported_expert_quantization(linear.spec.method, linear.spec.scheme))
+    bn, bk = linear.spec.block_size
+    if which != 2:
+        if I % bn:
+            raise ValueError(f"{base}gate_up_proj_scale_inv: moe_intermediate_size {I} is not a multiple of "
+                             f"the fp8 block {bn}, so the fused gate/up scales cannot be split")
+        half = I // bn
+        scales = scales[:, :half] if which == 0 else scales[:, half:]
+    try:
+        weights = [np.asarray(get(f"{base}{e}.{per_expert[which]}.weight")) for e in range(E)]  # [N, K] each
+    except KeyError:
+        w = np.asarray(get(base + fused))  # [E, 2I, H] or [E, H, I]
+        weights = list(w if which == 2 else (w[:, :I] if which == 0 else w[:, I:]))
+    return stack([fp8_block(weights[e], scales[e], (bn, bk)) for e in range(E)])
 
 
 def mixed_layer_tensors(cfg: ModelConfig, tensors: dict) -> dict:
@@ -167,17 +221,42 @@ def mixed_layer_tensors(cfg: ModelConfig, tensors: dict) -> dict:
     return out
 
 
+def check_quantization(cfg: ModelConfig, method: str, scheme: str) -> None:
+    """ValueError at load for a checkpoint format whose MoE experts this code cannot read."""
+    if cfg.moe is not None and scheme not in ("fp8_block", "mxfp4"):
+        raise ValueError(unsupported_expert_quantization(method, scheme))
+
+
 def _zeros_unless(cfg: ModelConfig, src, shape: tuple[int, ...], sparse: bool) -> Callable:
-    def read(get, prefix: str) -> np.ndarray:
+    """A reader of the layers of one kind, zeros in the others; with a quantized checkpoint's
+    `linear`, its projections are read (and the zeros made) as QuantizedWeights."""
+    projection = callable(src) and getattr(src, "takes_linear", False) or \
+        not callable(src) and src[0].endswith("_proj.weight")
+
+    def read(get, prefix: str, linear=None):
         layer = int(prefix.rstrip(".").rsplit(".", 1)[1])
+        quantized = linear is not None and projection
         if _moe(cfg).is_sparse(layer) != sparse:
-            return np.zeros(shape, np.float32)
+            return _zero_weight(shape, linear.spec) if quantized else np.zeros(shape, np.float32)
         if callable(src):
-            return src(get, prefix)
+            return src(get, prefix, linear) if quantized else src(get, prefix)
         name, transpose = src
+        if quantized:
+            return linear(prefix + name.removesuffix(".weight"), shape)
         arr = np.asarray(get(prefix + name))
         return arr.T if transpose else arr
-    return read
+    return takes_linear(read) if projection else read
+
+
+def _zero_weight(shape: tuple[int, ...], spec):
+    """A block-wise fp8 weight of zeros ([..., K, N]): the absent kind of a mixed model's layer."""
+    if spec.scheme != "fp8_block":
+        raise ValueError(unsupported_expert_quantization(spec.method, spec.scheme))
+    bn, bk = spec.block_size
+    *lead, k, n = shape
+    values = np.zeros(shape, ml_dtypes.float8_e4m3fn)
+    return QuantizedWeight(values, np.ones((*lead, -(-k // bk), -(-n // bn)), np.float32), scheme="fp8_block",
+                           group_size=bk, block_cols=bn)
 
 
 def _moe(cfg: ModelConfig) -> MoeConfig:

@@ -47,7 +47,8 @@ class ModelFamily:
     param_shapes: Callable[["ModelConfig"], dict]
     # ModelConfig -> {layer leaf: TensorSource}
     layer_tensors: Callable[["ModelConfig"], dict]
-    # (cfg, one layer's params, normed x [T, hidden], dots) -> [T, hidden]: the block after attention
+    # (cfg, one layer's params, normed x [T, hidden], dots, backend=) -> [T, hidden]: the block after
+    # attention; `backend` (keyword, the step's "xla" / "pallas") is passed to every family but dense Llama
     ffn: Callable[["ModelConfig", dict, "jax.Array", object], "jax.Array"]
     # (cfg, tensor_parallel_size) -> {layer leaf: (ok, PartitionSpec, why not)} for the family's own leaves
     partition_rules: Callable[["ModelConfig", int], dict]

@@ -121,4 +121,5 @@ def linear_reader(spec: QuantSpec, get: TensorGetter, dtype: jnp.dtype) -> Linea
             raise ValueError(f"{prefix}: quantized weight is {w.shape} ([in, out]), expected {(k, n)}")
         return w
 
+    reader.spec = spec  # the family readers of packed expert stacks read the format (block sizes) here
     return reader

@@ -21,18 +21,22 @@ from jaxserve.quantization.qweight import QuantizedWeight
 
 
 def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeight:
-    """A QuantizedWeight of PartitionSpecs (None where the field is None) for a weight planned as `spec`."""
-    dims = tuple(spec) + (None,) * (3 - len(tuple(spec)))
+    """A QuantizedWeight of PartitionSpecs (None where the field is None) for a weight planned as `spec`.
+    The last two axes are [K, N]; leading ones (the layer axis, a MoE stack's expert axis: split
+    under expert parallelism) are split alike in every field."""
+    nd = w.values.ndim
+    dims = tuple(spec) + (None,) * (nd - len(tuple(spec)))
+    lead, dk, dn = dims[:-2], dims[-2], dims[-1]
     num_groups = w.scales.shape[-2]
-    if dims[1] is not None and num_groups > 1 and num_groups % axis_size:  # groups would be cut
-        dims = (None, None, None)
-    if w.scheme == "fp8_block" and dims[2] is not None and (w.values.shape[-1] // axis_size) % w.block_cols:
-        dims = (None, None, None)  # a column split would cut scale blocks
-    values = P(*dims)
-    if dims[1] is not None:  # row-parallel: per-channel scales are whole on every device
-        scales = P(None, dims[1] if num_groups > 1 else None, None)
+    if dk is not None and num_groups > 1 and num_groups % axis_size:  # groups would be cut
+        dk = dn = None
+    if w.scheme == "fp8_block" and dn is not None and (w.values.shape[-1] // axis_size) % w.block_cols:
+        dk = dn = None  # a column split would cut scale blocks
+    values = P(*lead, dk, dn)
+    if dk is not None:  # row-parallel: per-channel scales are whole on every device
+        scales = P(*lead, dk if num_groups > 1 else None, None)
     else:
-        scales = P(*dims)
+        scales = P(*lead, None, dn)
     return QuantizedWeight(values, scales, None if w.zeros is None else scales, None if w.perm is None else P(),
                            None if w.input_scale is None else P(), w.scheme, w.group_size,
                            block_cols=w.block_cols)

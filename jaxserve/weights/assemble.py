@@ -62,6 +62,11 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     layers = {}
     tensors = registry.get_family(cfg.architecture).layer_tensors(cfg)
     for leaf, expected in shapes["layers"].items():
+        if callable(tensors[leaf]) and linear is not None and getattr(tensors[leaf], "takes_linear", False):
+            layers[leaf] = jax.tree.map(jnp.asarray, stack([  # a quantized checkpoint's expert stacks
+                _read_quantized(tensors[leaf], get, i, expected[1:], source, linear) for i in range(cfg.num_layers)]))
+            bar.update(1)
+            continue
         if callable(tensors[leaf]):  # a family's reader (experts stacked, a mixed model's zeros)
             stacked = np.stack([_read(tensors[leaf], get, i, expected[1:], source) for i in range(cfg.num_layers)])
             layers[leaf] = place(stacked, expected, f"model.layers.*.{leaf}", f"layers/{leaf}")
@@ -97,6 +102,18 @@ def _read(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, 
     if arr.shape != expected:
         raise ValueError(f"{source}: layer {layer}: tensor of shape {arr.shape}, expected {expected}")
     return arr
+
+
+def _read_quantized(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, ...], source: str,
+                    linear: LinearReader):
+    """One layer's leaf as a host QuantizedWeight through a family's reader, shape-checked."""
+    try:
+        w = reader(get, f"model.layers.{layer}.", linear)
+    except KeyError as e:
+        raise ValueError(f"{source}: missing tensor {e.args[0]!r}") from None
+    if tuple(w.shape) != tuple(expected):
+        raise ValueError(f"{source}: layer {layer}: quantized weight of shape {w.shape}, expected {expected}")
+    return w
 
 
 def _kv_scales(get: TensorGetter, num_layers: int) -> dict[str, jax.Array]:

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
+from jaxserve.models.moe_layers import check_quantization
 from jaxserve.quantization.formats import QuantSpec, detect
 from jaxserve.quantization.hf_linear import linear_reader
 from jaxserve.weights.assemble import PlaceFn, assemble_params
@@ -90,6 +91,8 @@ def read_quantization(model_dir: Path, requested: str | None) -> QuantSpec | Non
 
 def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
                          place_leaf: PlaceFn | None = None, quant: QuantSpec | None = None) -> Params:
+    if quant is not None:  # before any tensor is read
+        check_quantization(cfg, quant.method, quant.scheme)
     files = _tensor_files(model_dir)
     handles: dict[Path, object] = {}
 

@@ -1,0 +1,116 @@
+"""One expert projection stack [E, K, N] in any of its stored forms, and the grouped matmuls over it.
+
+    float            jax.Array [E, K, N]
+    fp8_block        QuantizedWeight: values e4m3 [E, K, N], scales f32 [E, cdiv(K, bk), cdiv(N, bn)]
+                     (block-wise FP8 checkpoints: Qwen3-*-FP8, transformers' FineGrainedFP8)
+    mxfp4            Mxfp4Weight: blocks u8 [E, N, K / 32, 16], scales u8 [E, N, K / 32] (gpt-oss)
+
+The packed forms stay packed in device memory; every reader here dequantizes only the experts
+it is asked for (`expert_weight`: one, `take_experts`: a list), inside the program, so a step
+reads the packed bytes of the experts it touches and nothing else.
+
+    grouped_matmul(lhs, w, sizes, backend)   rows sorted by expert [M, K] -> [M, N]
+      float w, Pallas backend, K and N multiples of 16
+                     pallas_kernels.grouped_matmul (Triton on GPU; interpret mode in tests)
+      otherwise      the kernel's alignment in XLA: the rows cut into B = cdiv(M, bm) + min(E, M)
+                     blocks of one expert each, the blocks' experts gathered (packed: dequantized), one
+                     batched dot, rows scattered back
+      packed w with B >= E (large batches): the whole stack is dequantized once, then as a float w
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.quantization.mxfp4 import Mxfp4Weight, dequantize_experts
+from jaxserve.quantization.qweight import QuantizedWeight, dequantize
+from pallas_kernels.grouped_matmul import align_block_size
+from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
+from pallas_kernels.grouped_matmul import supported as pallas_supported
+
+ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight
+PALLAS = "pallas"
+PALLAS_INTERPRET = "pallas-interpret"  # models.attention.PALLAS_INTERPRET (tests only)
+XLA_BLOCK_M = 8  # rows per block of the XLA grouped path (a block's expert is dequantized once)
+
+
+def check_expert_weight(w: ExpertWeight) -> None:
+    """ValueError for a quantized form the expert computation does not take."""
+    if isinstance(w, QuantizedWeight) and w.scheme != "fp8_block":
+        raise ValueError(f"MoE experts: quantized scheme {w.scheme!r} is not supported; expert weights may be "
+                         "float, block-wise fp8 (fp8_block) or mxfp4")
+
+
+def first_leaf(w: ExpertWeight) -> jax.Array:
+    """The array whose leading axis is the expert axis (its sharding is the stack's)."""
+    return jax.tree.leaves(w)[0]
+
+
+def num_experts(w: ExpertWeight) -> int:
+    return first_leaf(w).shape[0]
+
+
+def is_packed(w: ExpertWeight) -> bool:
+    return isinstance(w, (QuantizedWeight, Mxfp4Weight))
+
+
+def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Expert e (a traced scalar) of the stack -> [K, N] in `dtype` (a float stack: its own dtype
+    unless asked otherwise); only that expert's bytes are read."""
+    if isinstance(w, Mxfp4Weight):
+        return dequantize_experts(w, jnp.reshape(e, (1,)), dtype)[0]
+    if isinstance(w, QuantizedWeight):
+        check_expert_weight(w)
+        one = jax.tree.map(lambda a: a[e], w)  # values [K, N], scales [Gk, Gn]
+        return dequantize(one, dtype)
+    return w[e]
+
+
+def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    """Experts `expert_ids` (i32[B], clipped into range) -> [B, K, N] in `dtype`."""
+    if isinstance(w, Mxfp4Weight):
+        return dequantize_experts(w, expert_ids, dtype)
+    ids = jnp.clip(expert_ids.astype(jnp.int32), 0, num_experts(w) - 1)
+    if isinstance(w, QuantizedWeight):
+        check_expert_weight(w)
+        return dequantize(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), w), dtype)
+    return jnp.take(w, ids, axis=0).astype(dtype)
+
+
+def whole(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
+    """The whole stack [E, K, N] in `dtype`."""
+    if isinstance(w, Mxfp4Weight):
+        return dequantize_experts(w, jnp.arange(num_experts(w)), dtype)
+    if isinstance(w, QuantizedWeight):
+        check_expert_weight(w)
+        return dequantize(w, dtype)
+    return w.astype(dtype)
+
+
+def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, backend: str = "xla",
+                   dtype: jnp.dtype | None = None) -> jax.Array:
+    """lhs [M, K] sorted by expert (group e: the next group_sizes[e] rows; rows past their sum
+    get 0) times each row's expert -> [M, N] in lhs.dtype. `dtype`: the operands' dtype (float32
+    accumulation); None: lhs's. See the module docstring for the paths."""
+    dtype = dtype or lhs.dtype
+    num_blocks = align_block_size(group_sizes, lhs.shape[0], XLA_BLOCK_M)[0].shape[0]
+    if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
+        w = whole(w, dtype)
+    if backend in (PALLAS, PALLAS_INTERPRET) and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[2]):
+        out = pallas_grouped_matmul(lhs.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32),
+                                    interpret=backend == PALLAS_INTERPRET)
+        return out.astype(lhs.dtype)
+    return _blocked(lhs, w, group_sizes, dtype)
+
+
+def _blocked(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, dtype: jnp.dtype) -> jax.Array:
+    m = lhs.shape[0]
+    expert, start, rows = align_block_size(group_sizes, m, XLA_BLOCK_M)  # [B] each
+    offs = jnp.arange(XLA_BLOCK_M, dtype=jnp.int32)
+    row_ids = start[:, None] + offs  # [B, bm]
+    x = jnp.take(lhs, jnp.clip(row_ids, 0, m - 1), axis=0).astype(dtype)  # [B, bm, K]
+    out = jnp.einsum("bmk,bkn->bmn", x, take_experts(w, expert, dtype), preferred_element_type=jnp.float32)
+    dest = jnp.where(offs < rows[:, None], row_ids, m).reshape(-1)  # rows not stored go out of range
+    result = jnp.zeros((m, out.shape[-1]), lhs.dtype)
+    return result.at[dest].set(out.reshape(-1, out.shape[-1]).astype(lhs.dtype), mode="drop")

@@ -1,0 +1,155 @@
+"""The MoE expert computation on the Pallas backend: the grouped matmul kernel
+(pallas_kernels/grouped_matmul.py) inside the model's step.
+
+  * the decode step of a tiny Qwen3-MoE exported for cuda (jax.export from this CPU host) holds
+    the grouped-matmul Triton kernel, with and without expert parallelism (shard_map, 2 devices);
+  * in interpret mode the model's greedy tokens with the Pallas path equal the XLA path's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from jaxserve.models import llama
+from jaxserve.models.attention import PALLAS_INTERPRET, kv_pool_dtype
+from jaxserve.models.config import ModelConfig, MoeConfig
+from jaxserve.worker.input_batch import StepInput, pack
+
+# Qwen3-MoE's layout at a tiny size (K and N multiples of 16 for the kernel); layer 1 dense
+MOE = MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False,
+                dense_layers=(1,))
+CFG = ModelConfig(architecture="Qwen3MoeForCausalLM", vocab_size=128, hidden_size=64, intermediate_size=96,
+                  num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32, qk_norm=True, moe=MOE)
+BLOCK_SIZE, NUM_BLOCKS = 16, 32
+
+
+def _batch(decode: bool):
+    if decode:  # two sequences, one new token each: the decode-only program
+        out = SchedulerOutput([ScheduledRequest("a", [1], 20, [3, 4], True),
+                               ScheduledRequest("b", [2], 40, [5, 6, 7], True)], 2)
+        return pack(out, 4, 4, 8, BLOCK_SIZE, decode_only=True)[0]
+    out = SchedulerOutput([ScheduledRequest("a", [1] * 20, 0, [3, 4], True)], 20)
+    return pack(out, 32, 4, 8, BLOCK_SIZE)[0]
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype if not hasattr(a, "dtype")
+                                                       else a.dtype), tree)
+
+
+def _params(cfg, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = llama.param_shapes(cfg)
+    return jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s) * 0.3, dtype), shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _export(cfg, params, sharding=None):
+    kv_dtype = kv_pool_dtype("auto", jnp.bfloat16, "pallas")
+    kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, cfg.head_dim),
+                                    kv_dtype) for _ in range(2))
+    batch = _shapes(_batch(decode=True))
+    assert batch.attn.decode_only
+
+    def step(params, kv, b: StepInput):
+        return llama.forward(params, cfg, kv, b.token_ids, b.positions, b.attn, backend="pallas")
+
+    exp = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(params, kv, batch)
+    return exp.mlir_module()
+
+
+def test_decode_step_holds_the_grouped_matmul_kernel():
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), llama.param_shapes(CFG),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    text = _export(CFG, params)
+    assert "xla.gpu.triton" in text
+    assert "grouped_matmul" in text
+
+
+EP_EXPORT = r'''
+import dataclasses, re, jax, jax.numpy as jnp
+from jaxserve.models import llama
+from jaxserve.models.config import with_expert_parallel
+from jaxserve.parallel.mesh import make_mesh
+from jaxserve.parallel.sharding import ModelShardings
+from tests import test_moe_pallas as t
+cfg = with_expert_parallel(t.CFG, True)
+shardings = ModelShardings.create(make_mesh(2), cfg).params
+params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=sh), llama.param_shapes(cfg),
+                      shardings, is_leaf=lambda x: isinstance(x, tuple))
+text = t._export(cfg, params)
+print("KERNELS", sorted(set(re.findall(r'xla.gpu.triton.*?name = "([a-z_]+)"', text))), "shard_map" in text
+      or "sdy.manual_computation" in text or "Sharding = \"{manual}\"" in text)
+'''
+
+
+def test_expert_parallel_decode_step_lowers_with_the_kernel():
+    """--enable-expert-parallel: the experts split over 2 devices, each shard's grouped matmuls in a
+    shard_map, one psum (a subprocess with 2 fake CPU devices)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", EP_EXPORT], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = proc.stdout.strip().splitlines()[-1]
+    assert "grouped_matmul" in line and "paged_attention_decode" in line and line.endswith("True"), line
+
+
+def _random_model(cfg: ModelConfig):
+    from pathlib import Path
+
+    from jaxserve.weights.loader import LoadedModel
+
+    leaves, treedef = jax.tree.flatten(llama.param_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    rng = np.random.default_rng(0)
+    params = jax.tree.unflatten(treedef, [jnp.asarray(
+        rng.standard_normal(s) * (0.1 if len(s) == 1 else 1.5 / np.sqrt(s[-2])) + (len(s) == 1), jnp.float32)
+        for s in leaves])
+    params["layers"]["sparse"] = jnp.asarray([float(cfg.moe.is_sparse(i)) for i in range(cfg.num_layers)])
+    return LoadedModel(cfg, params, None, "random-tiny-moe", Path("."))
+
+
+def _greedy(backend: str, monkeypatch) -> list[list[int]]:
+    from jaxserve import LLM, SamplingParams
+    from jaxserve.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "resolve_backend", lambda name: backend)
+    llm = LLM(_random_model(CFG), progress=False, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+              max_model_len=64, num_gpu_blocks_override=32, enable_prefix_caching=False, compilation_cache_dir="")
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(0, CFG.vocab_size, n).tolist()} for n in (3, 17, 9)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_interpret_mode_tokens_equal_the_xla_path(monkeypatch):
+    """The whole model on the Pallas backend in interpret mode (attention kernels and the grouped
+    matmul, on this CPU) gives the XLA path's greedy tokens."""
+    want = _greedy("xla", monkeypatch)
+    assert _greedy(PALLAS_INTERPRET, monkeypatch) == want
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_grouped_swiglu_equals_the_xla_paths(num_tokens):
+    """expert_swiglu's grouped path (the Pallas kernel in interpret mode) against its gather / sorted
+    paths, ids past the experts (expert parallelism's other devices) included."""
+    from jaxserve.models import moe
+
+    rng = np.random.default_rng(num_tokens)
+    w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)  # noqa: E731
+    ex = moe.Experts(w(8, 64, 32), w(8, 64, 32), w(8, 32, 64))
+    x = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 9, (num_tokens, 2)), jnp.int32)  # 8: not computed
+    want = moe.expert_swiglu(x, ids, ex)
+    got = jax.jit(moe.expert_swiglu, static_argnames="backend")(x, ids, ex, backend=PALLAS_INTERPRET)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
