@@ -2,7 +2,8 @@
 own class in bfloat16 (tests/moe_fixtures.py GPT_OSS: 2 layers, a sliding layer of window 8 then a
 full one, YaRN RoPE, attention sinks, biased router and experts), greedy tokens equal to
 transformers' float32 ones with the exact float32 flags on one device, TP 2, TP 2 with expert
-parallelism and PP 2 (4 fake CPU devices, one subprocess: tests/moe_worker.py)."""
+parallelism and PP 2 (4 fake CPU devices, one subprocess: tests/moe_worker.py); the same model in
+gpt-oss's MXFP4 hub layout, kept packed, against transformers' Mxfp4Config(dequantize=True)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.moe_fixtures import engine_greedy, hf_greedy, make_engine, save_gpt_oss  # noqa: E402
+from tests.moe_fixtures import engine_greedy, hf_greedy, make_engine, save_gpt_oss, save_mxfp4  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # longer than the window (8) and than one step's token budget (16: chunked prefill), a short one, one token
 PROMPTS = [[5, 17, 3, 99, 42, 7, 1, 250, 11, 64, 9, 30, 2, 77, 18, 100, 6, 41, 12, 13, 14, 15], [8],
            [200, 3, 77, 9, 64]]
 MAX_TOKENS = 8
-SETTINGS = {"gpt_oss": [[2, 1, False], [2, 1, True], [1, 2, False]]}
+# (tensor parallel, pipeline parallel, expert parallel): TP 2 splitting each expert's width, EP 2 with PP 2,
+# and the packed MXFP4 experts split over TP 2 in both stages of PP 2 -- 3 engines in one subprocess
+SETTINGS = {"gpt_oss": [[2, 1, False], [2, 2, True]], "gpt_oss_mxfp4": [[2, 2, False]]}
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +39,22 @@ def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
 
 
 @pytest.fixture(scope="module")
-def multi_device(checkpoint) -> dict:
+def mxfp4_checkpoint(checkpoint) -> tuple[Path, list[list[int]]]:
+    """The same model in gpt-oss's hub layout (MXFP4 experts), and transformers' tokens for it
+    (Mxfp4Config(dequantize=True): the experts unpacked at load, as convert_moe_packed_tensors does)."""
+    import transformers
+
+    path = save_mxfp4(checkpoint[0], checkpoint[0].parent / "gpt_oss_mxfp4")
+    return path, hf_greedy(path, PROMPTS, MAX_TOKENS, quantization_config=transformers.Mxfp4Config(dequantize=True))
+
+
+@pytest.fixture(scope="module")
+def multi_device(checkpoint, mxfp4_checkpoint) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
     opts = json.dumps({"settings": SETTINGS, "prompts": PROMPTS})
-    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", "--options", opts, str(checkpoint[0])],
+    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", "--options", opts, str(checkpoint[0]),
+                           str(mxfp4_checkpoint[0])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -55,7 +69,7 @@ def test_config_reads_gpt_oss_fields(checkpoint):
     assert cfg.rope_type == "yarn" and cfg.rope_scaling[:2] == (4.0, 64.0)
     assert cfg.rope_scaling[4] == 0.0 and abs(cfg.rope_scaling[5] - (0.1 * np.log(4.0) + 1)) < 1e-12
     m = cfg.moe
-    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.router) == (8, 2, 32, "topk_softmax")
+    assert (m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.router) == (8, 2, 64, "topk_softmax")
     assert (m.swiglu_limit, m.swiglu_alpha) == (7.0, 1.702)
 
 
@@ -96,14 +110,16 @@ def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
         engine.shutdown()
 
 
-@pytest.mark.parametrize("case", ["gpt_oss/tp2/pp1", "gpt_oss/tp2/pp1/ep", "gpt_oss/tp1/pp2"])
-def test_parallel_greedy_equals_transformers(checkpoint, multi_device, case):
+@pytest.mark.parametrize("case", ["gpt_oss/tp2/pp1", "gpt_oss/tp2/pp2/ep", "gpt_oss_mxfp4/tp2/pp2"])
+def test_parallel_greedy_equals_transformers(checkpoint, mxfp4_checkpoint, multi_device, case):
     r = multi_device[case]
-    assert r["tokens"] == checkpoint[1]
+    assert r["tokens"] == (mxfp4_checkpoint if "mxfp4" in case else checkpoint)[1]
     assert r["compiles_after_warmup"] == 0
-    if "tp2" in case:  # each device holds half the experts (EP: split on E) or half of each (split on I)
-        assert len(r["expert_bytes"]) == 2 and len(set(r["expert_bytes"].values())) == 1
-        assert r["expert_spec"].startswith("(None, 'model'" if case.endswith("/ep") else "(None, None, None, 'model'")
+    # every device holds half of its stage's experts: whole ones with EP (split on E), else half of each
+    # one's width (bf16: I, the last axis of we_gate; packed: the N axis of its blocks [L, E, N, K/32, 16])
+    assert len(r["expert_bytes"]) == (4 if "pp2" in case else 2) and len(set(r["expert_bytes"].values())) == 1
+    assert r["expert_spec"].startswith("(None, 'model'" if case.endswith("/ep") else
+                                       "(None, None, 'model'" if "mxfp4" in case else "(None, None, None, 'model'")
 
 
 def test_plan_sizes_gpt_oss_20b():
@@ -159,3 +175,25 @@ def test_biased_clamped_experts_on_every_path(num_tokens):
     for backend in ("xla", PALLAS_INTERPRET):
         got = run(jnp.asarray(x), jnp.asarray(ids), ex, backend=backend)
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-3 * np.abs(want).max())
+
+
+def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_checkpoint):
+    """gpt-oss's MXFP4 hub format: the experts stay packed in device memory (Mxfp4Weight, at most
+    0.3x their bfloat16 bytes), unpacked inside the expert matmuls; transformers' greedy tokens."""
+    import jax
+
+    from jaxserve.quantization.mxfp4 import Mxfp4Weight
+
+    path, reference = mxfp4_checkpoint
+    assert reference != checkpoint[1]  # the rounding to e2m1 changed the model: the packed weights are used
+    engine = make_engine(path)
+    try:
+        experts = {k: v for k, v in engine.model.params["layers"].items() if k.startswith("we_")}
+        assert len(experts) == 3 and all(isinstance(w, Mxfp4Weight) for w in experts.values())
+        packed = sum(x.nbytes for w in experts.values() for x in jax.tree.leaves(w))
+        bf16 = sum(2 * int(np.prod(w.shape)) for w in experts.values())
+        assert packed <= 0.3 * bf16
+        assert engine_greedy(engine, PROMPTS, MAX_TOKENS) == reference
+        assert engine.get_stats().num_compilations_after_warmup == 0
+    finally:
+        engine.shutdown()

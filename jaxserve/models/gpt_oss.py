@@ -42,6 +42,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import ATTENTION_TENSORS, attention_shapes, sliding_flag
 from jaxserve.models.moe import Experts, Router, moe
 from jaxserve.models.moe_layers import MODEL_AXIS, moe_config, moe_partition_rules
+from jaxserve.quantization.mxfp4 import Mxfp4Weight, from_hub
 
 
 @dataclass(frozen=True)
@@ -112,9 +113,15 @@ def partition_rules(cfg: ModelConfig, tp: int) -> dict:
 
 def layer_tensors(cfg: ModelConfig) -> dict:
     def fused(name: str, columns: slice | None):
-        def read(get, prefix: str) -> np.ndarray:
-            arr = np.asarray(get(f"{prefix}mlp.experts.{name}"))
-            return arr if columns is None else arr[..., columns]  # de-interleave gate (even) / up (odd)
+        def read(get, prefix: str) -> np.ndarray | Mxfp4Weight:
+            base = f"{prefix}mlp.experts.{name}"
+            try:  # the hub's mxfp4 layout: [E, N, K / 32, 16] blocks, [E, N, K / 32] scales, N interleaved
+                blocks = np.asarray(get(base + "_blocks"))
+            except KeyError:
+                arr = np.asarray(get(base))
+                return arr if columns is None else arr[..., columns]  # de-interleave gate (even) / up (odd)
+            scales = np.asarray(get(base + "_scales"))
+            return from_hub(*((blocks, scales) if columns is None else (blocks[:, columns], scales[:, columns])))
         return read
 
     even, odd = slice(0, None, 2), slice(1, None, 2)
