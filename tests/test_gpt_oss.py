@@ -142,6 +142,8 @@ def test_plan_sizes_gpt_oss_20b():
     one = sizing.weight_bytes_per_device(cfg, 2)
     assert abs(one - 2 * total_params(cfg)) < 1e6
     assert abs(sizing.weight_bytes_per_device(cfg, 2, 2) - one / 2) < one * 0.02
+    # the hub's MXFP4 checkpoint: experts at 4.25 bits, the rest bf16 -- 13.8 GB as its files are
+    assert round(sizing.weight_bytes_per_device(cfg, 2, quantization="mxfp4") / 1e9, 1) == 13.8
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
