@@ -132,10 +132,13 @@ def test_plan_sizes_gpt_oss_20b():
     hf = dict(architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880, intermediate_size=2880,
               num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
               num_local_experts=32, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
-              rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                   original_max_position_embeddings=4096, rope_theta=150000.0))
+              layer_types=["sliding_attention", "full_attention"] * 12, rope_theta=150000, swiglu_limit=7.0,
+              rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                original_max_position_embeddings=4096),  # the hub file's older spelling
+              quantization_config=dict(quant_method="mxfp4"))
     cfg = ModelConfig.from_hf(hf)
-    assert cfg.sliding_layers == tuple(range(0, 24, 2))
+    assert cfg.sliding_layers == tuple(range(0, 24, 2)) and cfg.rope_theta == 150000
+    assert cfg.rope_scaling == (32.0, 4096.0, 32.0, 1.0, 0.0, 0.1 * np.log(32.0) + 1)
     # OpenAI's card: 20.91 B total, 3.61 B active (its active count leaves out the input embedding)
     assert round(total_params(cfg) / 1e9, 2) == 20.91
     assert round((active_params(cfg) - cfg.vocab_size * cfg.hidden_size) / 1e9, 2) == 3.61
