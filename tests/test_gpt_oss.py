@@ -202,3 +202,20 @@ def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_chec
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()
+
+
+def test_pallas_interpret_backend_equals_transformers(checkpoint, monkeypatch):
+    """The model on the Pallas backend in interpret mode (this CPU running the kernels' own code): the
+    attention kernels with sinks and the per-layer window as data, the grouped expert matmul with the
+    biases added per row -- transformers' tokens, nothing compiled after warm-up."""
+    from jaxserve.engine import llm_engine
+    from jaxserve.models.attention import PALLAS_INTERPRET
+
+    monkeypatch.setattr(llm_engine, "resolve_backend", lambda name: PALLAS_INTERPRET)
+    engine = make_engine(checkpoint[0])
+    try:
+        assert engine.config.attention_backend == PALLAS_INTERPRET
+        assert engine_greedy(engine, PROMPTS, MAX_TOKENS) == checkpoint[1]
+        assert engine.get_stats().num_compilations_after_warmup == 0
+    finally:
+        engine.shutdown()
