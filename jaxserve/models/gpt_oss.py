@@ -101,11 +101,10 @@ def partition_rules(cfg: ModelConfig, tp: int) -> dict:
     q_ok = cfg.num_heads % tp == 0
     rules.update(sinks=(q_ok, P(None, MODEL_AXIS), f"num_heads {cfg.num_heads} not divisible by {tp}"),
                  router_bias=(True, P(), ""), bo=(True, P(), ""))
+    ok, _, why = rules["we_gate"]  # the biases split when the experts do
     if m.expert_parallel:
-        ok, why = rules["we_gate"][0], rules["we_gate"][2]
         rules.update({k: (ok, P(None, MODEL_AXIS, None), why) for k in ("be_gate", "be_up", "be_down")})
     else:
-        ok, why = rules["we_gate"][0], rules["we_gate"][2]
         rules.update(be_gate=(ok, P(None, None, MODEL_AXIS), why), be_up=(ok, P(None, None, MODEL_AXIS), why),
                      be_down=(True, P(), ""))
     return rules
