@@ -117,6 +117,21 @@ def check_options(
         raise ValueError(f"soft_cap must be > 0 or None; got {soft_cap}")
 
 
+def check_window(window: jax.Array | None) -> None:
+    """A sliding window given as data: None, or one integer (a scalar or shape [1])."""
+    if window is None:
+        return
+    if jnp.size(window) != 1 or not jnp.issubdtype(jnp.result_type(window), jnp.integer):
+        raise ValueError(f"window must be one integer (i32 scalar); got shape {jnp.shape(window)} "
+                         f"dtype {jnp.result_type(window)}")
+
+
+def scalars(layer: jax.Array | int | None, window: jax.Array | None) -> jax.Array:
+    """i32[2]: the kernels' scalar operand, (the layer of a stacked pool, the window given as data)."""
+    return jnp.stack([jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()),
+                      jnp.asarray(0 if window is None else window, jnp.int32).reshape(())])
+
+
 def check_sinks(sinks: jax.Array | None, num_q_heads: int) -> None:
     """Attention sinks: None, or one float logit per query head."""
     if sinks is None:

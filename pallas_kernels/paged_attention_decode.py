@@ -24,7 +24,9 @@ from pallas_kernels.common import (
     check_options,
     check_query,
     check_sinks,
+    check_window,
     next_power_of_2,
+    scalars,
     shape_class,
     triton_params,
 )
@@ -46,10 +48,11 @@ TUNING: dict[int, dict[str, int]] = {
 
 
 def _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap, sinks, *, bits_ok: bool = False) -> None:
+           sm_scale, sliding_window, soft_cap, sinks, window, *, bits_ok: bool = False) -> None:
     num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
     num_seqs, num_q_heads = check_query(q, num_kv_heads, head_dim)
     check_sinks(sinks, num_q_heads)
+    check_window(window)
     check_int_array("kv_lens", kv_lens, (num_seqs,))
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(
@@ -73,21 +76,23 @@ def paged_attention_decode_reference(
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
+    window: jax.Array | None = None,  # i32 scalar: the sliding window as data (replaces sliding_window)
 ) -> jax.Array:  # [S, Hq, D]
     """Pure-jnp decode attention: the query of row s sits at position kv_lens[s] - 1."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap, sinks, bits_ok=True)
+           sm_scale, sliding_window, soft_cap, sinks, window, bits_ok=True)
     q_pos = kv_lens.astype(jnp.int32) - 1  # [S]; -1 (sees nothing) when kv_len == 0
     seq_ids = jnp.arange(q.shape[0], dtype=jnp.int32)
     return attend_reference(
         q, k_cache, v_cache, block_tables.astype(jnp.int32), q_pos, seq_ids, q_pos, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks,
+        sliding_window=sliding_window if window is None else jnp.asarray(window, jnp.int32).reshape(()),
+        soft_cap=soft_cap, layer=layer, sinks=sinks,
     )
 
 
 def _decode_kernel(
     kv_lens_ref,  # i32[S]
-    layer_ref,  # i32[1]
+    layer_ref,  # i32[2]: the layer (stacked pool), the sliding window when given as data
     block_tables_ref,  # i32[S, MB]
     q_ref,  # [G', D]: sequence s, kv head h
     k_ref,  # [(L,) Hkv, NB, BS, D]
@@ -101,8 +106,11 @@ def _decode_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     stacked: bool,
+    window_data: bool,
 ):
     s, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if window_data:
+        sliding_window = layer_ref[1]
     block_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
     rows = q_ref.shape[0]
     kv_len = kv_lens_ref[s]
@@ -134,7 +142,7 @@ def _decode_kernel(
     l_ref[...] = l
 
 
-def _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks,
+def _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks, window,
                    *, sm_scale, sliding_window, soft_cap, interpret):
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-4]
@@ -145,13 +153,14 @@ def _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks,
     num_splits = max(1, min(tune["num_splits"], block_tables.shape[1]))
     q4 = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))  # [S, Hkv, G', D]
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    layer_arr = scalars(layer, window)
     whole = pl.BlockSpec()
     part = (num_seqs, num_kv_heads, num_splits, group_p)
     acc, m, l = pl.pallas_call(
         functools.partial(
             _decode_kernel, num_splits=num_splits, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, stacked=k_cache.ndim == 5),
+            sliding_window=sliding_window, soft_cap=soft_cap, stacked=k_cache.ndim == 5,
+            window_data=window is not None),
         grid=(num_seqs, num_kv_heads, num_splits),
         in_specs=[whole, whole, whole,
                   pl.BlockSpec((None, None, group_p, head_dim), lambda s, h, k: (s, h, 0, 0)),
@@ -195,17 +204,18 @@ def paged_attention_decode(
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
+    window: jax.Array | None = None,  # i32 scalar: the sliding window as data (replaces sliding_window)
     interpret: bool = False,
 ) -> jax.Array:  # [S, Hq, D]
     """Pallas (Triton) split-K decode attention; same semantics as the reference."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, layer,
-           sm_scale, sliding_window, soft_cap, sinks)
+           sm_scale, sliding_window, soft_cap, sinks, window)
     head_dim, block_size = q.shape[-1], k_cache.shape[-2]
     if head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(
             f"the Pallas kernel needs power-of-two head_dim and block_size; got "
             f"{head_dim}, {block_size} (use paged_attention_decode_reference)"
         )
-    return _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks,
+    return _decode_pallas(q, k_cache, v_cache, kv_lens, block_tables, layer, sinks, window,
                           sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, interpret=interpret)

@@ -27,8 +27,10 @@ from pallas_kernels.common import (
     check_options,
     check_query,
     check_sinks,
+    check_window,
     next_power_of_2,
     num_seqs_scalar,
+    scalars,
     shape_class,
     token_positions,
     triton_params,
@@ -94,7 +96,7 @@ def _ragged_kernel(
     tile_start_ref,  # i32[P]: first token of the tile
     tile_end_ref,  # i32[P]: end token of the tile's sequence (== start: dead tile)
     tile_posoff_ref,  # i32[P]: position of token t is t + posoff
-    layer_ref,  # i32[1]
+    layer_ref,  # i32[2]: the layer (stacked pool), the sliding window when given as data
     block_tables_ref,  # i32[S, MB]
     q_ref,  # [Hkv, (T + BQ) * G', D]
     k_ref,  # [(L,) Hkv, NB, BS, D]
@@ -106,8 +108,11 @@ def _ragged_kernel(
     sliding_window: int | None,
     soft_cap: float | None,
     stacked: bool,
+    window_data: bool,
 ):
     o_ref = refs[-1]  # [Hkv, (T + BQ) * G', D]
+    if window_data:
+        sliding_window = layer_ref[1]
     p, h = pl.program_id(0), pl.program_id(1)
     block_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
     rows = block_q * group
@@ -164,7 +169,7 @@ def _tiles(cu_q_lens, kv_lens, num_seqs, num_tokens: int, block_q: int):
     return seq.astype(jnp.int32), start, end, posoff
 
 
-def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, layer, sinks,
+def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, layer, sinks, window,
                    *, sm_scale, sliding_window, soft_cap, interpret):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-4]
@@ -178,7 +183,7 @@ def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     q4 = jnp.pad(q4, ((0, block_q), (0, 0), (0, group_p - group), (0, 0)))
     q_rows = q4.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-    layer_arr = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(1)
+    layer_arr = scalars(layer, window)
     whole = pl.BlockSpec()
     extra = []
     if sinks is not None:  # [Hq] -> [Hkv, M]: the sink of each (token, padded group) row of a tile
@@ -187,7 +192,8 @@ def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
     out = pl.pallas_call(
         functools.partial(
             _ragged_kernel, block_q=block_q, group=group_p, sm_scale=sm_scale,
-            sliding_window=sliding_window, soft_cap=soft_cap, stacked=k_cache.ndim == 5),
+            sliding_window=sliding_window, soft_cap=soft_cap, stacked=k_cache.ndim == 5,
+            window_data=window is not None),
         grid=(tile_meta[0].shape[0], num_kv_heads),
         in_specs=[whole] * (9 + len(extra)),
         out_specs=whole,
@@ -205,9 +211,10 @@ def _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_se
 
 
 def _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap, sinks, *, bits_ok: bool = False) -> None:
+           sm_scale, sliding_window, soft_cap, sinks, window, *, bits_ok: bool = False) -> None:
     num_kv_heads, _, _, head_dim = check_cache(k_cache, v_cache, layer, bits_ok=bits_ok)
     check_sinks(sinks, check_query(q, num_kv_heads, head_dim)[1])
+    check_window(window)
     if kv_lens.ndim != 1:
         raise ValueError(f"kv_lens must be 1-D [max_num_seqs]; got shape {kv_lens.shape}")
     max_num_seqs = kv_lens.shape[0]
@@ -237,10 +244,15 @@ def ragged_paged_attention_reference(
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
+    window: jax.Array | None = None,  # i32 scalar: the sliding window as data (replaces sliding_window)
 ) -> jax.Array:  # [T, Hq, D]
-    """Pure-jnp ragged paged attention (the CPU serving path); padding tokens get 0."""
+    """Pure-jnp ragged paged attention (the CPU serving path); padding tokens get 0.
+
+    window: one call's window as a traced value, so per-layer windows (gpt-oss's alternating
+    sliding and full layers) run in one scanned program; a window at least as long as every
+    context is full attention."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap, sinks, bits_ok=True)
+           sm_scale, sliding_window, soft_cap, sinks, window, bits_ok=True)
     n = num_seqs_scalar(num_seqs)
     seq_ids, q_pos = token_positions(cu_q_lens, kv_lens, n, q.shape[0])
     token_tables = block_tables.astype(jnp.int32)[seq_ids]  # [T, MB]
@@ -248,7 +260,8 @@ def ragged_paged_attention_reference(
     new_start = kv_lens.astype(jnp.int32)[seq_ids] - (cu[seq_ids + 1] - cu[seq_ids])
     return attend_reference(
         q, k_cache, v_cache, token_tables, q_pos, seq_ids, new_start, sm_scale=sm_scale,
-        sliding_window=sliding_window, soft_cap=soft_cap, layer=layer, sinks=sinks,
+        sliding_window=sliding_window if window is None else jnp.asarray(window, jnp.int32).reshape(()),
+        soft_cap=soft_cap, layer=layer, sinks=sinks,
     )
 
 
@@ -267,11 +280,12 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     layer: jax.Array | int | None = None,
     sinks: jax.Array | None = None,  # f32[Hq]: attention sinks (gpt-oss), or None
+    window: jax.Array | None = None,  # i32 scalar: the sliding window as data (replaces sliding_window)
     interpret: bool = False,
 ) -> jax.Array:  # [T, Hq, D]
     """Pallas (Triton) ragged paged attention; same semantics as the reference."""
     _check(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer,
-           sm_scale, sliding_window, soft_cap, sinks)
+           sm_scale, sliding_window, soft_cap, sinks, window)
     head_dim, block_size = q.shape[-1], k_cache.shape[-2]
     if head_dim & (head_dim - 1) or block_size & (block_size - 1):
         raise ValueError(
@@ -279,5 +293,5 @@ def ragged_paged_attention(
             f"{head_dim}, {block_size} (use ragged_paged_attention_reference)"
         )
     return _ragged_pallas(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-                          layer, sinks, sm_scale=sm_scale, sliding_window=sliding_window,
+                          layer, sinks, window, sm_scale=sm_scale, sliding_window=sliding_window,
                           soft_cap=soft_cap, interpret=interpret)

@@ -2,6 +2,7 @@
 without EP), in a subprocess with 4 fake CPU devices; one JSON object on the last line.
 
     python -m tests.moe_worker DIR [DIR ...]      # each DIR a tests/moe_fixtures checkpoint
+    python -m tests.moe_worker --options '{"settings": {NAME: [[tp, pp, ep], ...]}, "prompts": [[id, ...], ...]}' DIR ...
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ def expert_bytes_per_device(engine) -> dict[int, int]:
 
 
 def expert_spec(engine) -> str:
-    """The PartitionSpec of the first stage's we_gate [L, E, H, I]."""
+    """The PartitionSpec of the first stage's we_gate [L, E, H, I] (packed: of its first array)."""
     tree = engine.pipeline.params[0] if engine.pipeline is not None else engine.model.params
-    return str(tuple(getattr(tree["layers"]["we_gate"].sharding, "spec", ())))
+    return str(tuple(getattr(jax.tree.leaves(tree["layers"]["we_gate"])[0].sharding, "spec", ())))
 
 
-def main(dirs: list[str]) -> dict:
+def main(dirs: list[str], settings: dict = SETTINGS, prompts: list[list[int]] | None = None) -> dict:
     results = {}
     for d in dirs:
-        for tp, pp, ep in SETTINGS[Path(d).name]:
+        for tp, pp, ep in settings[Path(d).name]:
             engine = make_engine(Path(d), tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                  enable_expert_parallel=ep)
-            tokens = engine_greedy(engine)
+            tokens = engine_greedy(engine) if prompts is None else engine_greedy(engine, prompts)
             results[f"{Path(d).name}/tp{tp}/pp{pp}" + ("/ep" if ep else "")] = dict(
                 tokens=tokens, compiles_after_warmup=engine.get_stats().num_compilations_after_warmup,
                 expert_bytes=expert_bytes_per_device(engine), expert_spec=expert_spec(engine))
@@ -50,4 +51,9 @@ def main(dirs: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1:])))
+    args = sys.argv[1:]
+    if args[:1] == ["--options"]:  # other checkpoints' settings and prompts (tests/test_gpt_oss.py)
+        opts = json.loads(args[1])
+        print(json.dumps(main(args[2:], opts["settings"], opts.get("prompts"))))
+    else:
+        print(json.dumps(main(args)))

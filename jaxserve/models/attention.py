@@ -15,6 +15,9 @@ from pallas_kernels.common import BF16_BITS
 # constants.RESOLVED_BACKENDS, so no user option reaches it; RunnerConfig(backend=PALLAS_INTERPRET) does.
 PALLAS_INTERPRET = "pallas-interpret"
 PALLAS_BACKENDS = ("pallas", PALLAS_INTERPRET)
+# A window given as data that no context reaches: full attention in a layer of a model whose other
+# layers slide (key_pos > q_pos - FULL_WINDOW holds for every key; no int32 overflow)
+FULL_WINDOW = 1 << 30
 
 
 @jax.tree_util.register_dataclass
@@ -47,13 +50,18 @@ def write_kv(backend: str, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array,
 
 
 def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
-           layer: jax.Array, *, sm_scale: float, sliding_window: int | None,
+           layer: jax.Array, *, sm_scale: float, sliding_window: int | jax.Array | None,
            sinks: jax.Array | None = None) -> jax.Array:
     """q: [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim], causal over each sequence's paged context.
 
-    sinks: f32[num_q_heads], this layer's attention sinks (gpt-oss: a learned logit per head in the
-    softmax denominator), or None (no sinks: the same programs as without the argument)."""
+    sliding_window: an int (the same window in every layer, part of the program), None, or an i32
+    scalar array: this layer's window as data (per-layer windows in one scanned layer body, gpt-oss's
+    layer_types; FULL_WINDOW for a full-attention layer). sinks: f32[num_q_heads], this layer's
+    attention sinks (gpt-oss: a learned logit per head in the softmax denominator), or None (no
+    sinks: the same programs as without the argument)."""
     extra = {} if sinks is None else dict(sinks=sinks)
+    if isinstance(sliding_window, jax.Array):
+        extra["window"], sliding_window = sliding_window, None
     if backend in PALLAS_BACKENDS:
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer,
                   interpret=backend == PALLAS_INTERPRET, **extra)

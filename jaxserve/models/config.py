@@ -9,6 +9,7 @@ own (`ModelFamily.config_fields`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
@@ -16,7 +17,7 @@ from jaxserve.models import registry
 
 # architecture -> family name: a view of the registry, kept for the callers that list them
 SUPPORTED_ARCHITECTURES: dict[str, str] = {a: registry.family_name(a) for a in registry.supported_architectures()}
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 ROUTERS = ("softmax_topk", "topk_softmax")
 # config.json's names for the number of routed experts, by family
 NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -36,6 +37,10 @@ class MoeConfig:
     # layers with a dense MLP of `intermediate_size` instead (mlp_only_layers, decoder_sparse_step)
     dense_layers: tuple[int, ...] = ()
     expert_parallel: bool = False  # EngineArgs.enable_expert_parallel: experts split over the TP devices
+    # gpt-oss's clamped SwiGLU: gate <= limit, up in [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate),
+    # with biases on the experts; None: silu(gate) * up
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -76,13 +81,17 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_type: str = "default"
-    # llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); linear: (factor,)
+    # llama3: (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings); linear: (factor,);
+    # yarn: (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate 1/0, attention_factor)
     rope_scaling: tuple[float, ...] = ()
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
     sliding_window: int | None = None
+    # the layers that use sliding_window (config.json's layer_types: gpt-oss alternates sliding and full
+    # layers); None: every layer. Read at load time into each layer's `sliding` flag (a leaf, as data).
+    sliding_layers: tuple[int, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # Mixture-of-Experts families only
@@ -95,6 +104,11 @@ class ModelConfig:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.rope_type == "yarn" and len(self.rope_scaling) != 6:
+            raise ValueError("rope_scaling for yarn must be (factor, original_max_position_embeddings, beta_fast, "
+                             f"beta_slow, truncate, attention_factor); got {self.rope_scaling}")
+        if self.sliding_layers is not None and any(i < 0 for i in self.sliding_layers):
+            raise ValueError(f"sliding_layers must be layer indices >= 0; got {self.sliding_layers}")
 
     @property
     def family(self) -> str:
@@ -108,6 +122,8 @@ class ModelConfig:
         d = dict(d)
         d["rope_scaling"] = tuple(d.get("rope_scaling") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        if d.get("sliding_layers") is not None:
+            d["sliding_layers"] = tuple(d["sliding_layers"])
         if d.get("moe") is not None:
             moe = dict(d["moe"])
             moe["dense_layers"] = tuple(moe.get("dense_layers") or ())
@@ -169,6 +185,28 @@ def _rope_from_hf(hf: Mapping) -> tuple[str, tuple[float, ...], float]:
                    float(params["high_freq_factor"]), float(params["original_max_position_embeddings"]))
     elif rope_type == "linear":
         scaling = (float(params["factor"]),)
+    elif rope_type == "yarn":
+        scaling = _yarn_from_hf(hf, params)
     else:
         scaling = ()
     return rope_type, scaling, theta
+
+
+def _yarn_from_hf(hf: Mapping, params: Mapping) -> tuple[float, ...]:
+    """YaRN's fields as transformers' _compute_yarn_parameters reads them: factor (default
+    max_position_embeddings / original), beta_fast 32, beta_slow 1, truncate (default true), and the
+    attention factor that scales cos and sin (given, or from mscale / mscale_all_dim, or 0.1 ln(factor) + 1)."""
+    original = float(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = float(hf.get("max_position_embeddings", 4096)) / original if factor is None else float(factor)
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all) if mscale and mscale_all
+                     else _yarn_mscale(factor))
+    return (factor, original, float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1),
+            float(bool(params.get("truncate", True))), float(attention))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

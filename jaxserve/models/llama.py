@@ -15,6 +15,8 @@ Params (weights stored [in, out] so activations multiply on the left):
       attn_norm  [L, hidden]          mlp_norm [L, hidden]
       wq [L, hidden, nq*hd]  wk, wv [L, hidden, nkv*hd]  wo [L, nq*hd, hidden]
       bq [L, nq*hd]  bk, bv [L, nkv*hd]               (attention_bias only)
+      bo [L, hidden]  sinks [L, nq]  sliding [L]         (a family's: gpt-oss's o bias, attention
+                                                          sinks, 1.0 where the layer's window slides)
       q_norm, k_norm [L, hd]                             (qk_norm only)
       k_scale, v_scale [L]                   (a quantized checkpoint's fp8 KV scales, when it has them)
       w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from typing import Mapping
 
@@ -40,7 +43,7 @@ from jaxserve.lora import layers as lora
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
-from jaxserve.models.rope import apply_rope, inv_frequencies
+from jaxserve.models.rope import apply_rope, attention_scale, inv_frequencies
 
 Params = dict[str, jax.Array | dict[str, jax.Array]]
 
@@ -73,7 +76,8 @@ def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
     if cfg.qk_norm:
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    scale = attention_scale(cfg)
+    return apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale), v
 
 
 def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x: jax.Array,
@@ -86,12 +90,21 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
     if "k_scale" in lp:  # a checkpoint's fp8 KV scales: the pool holds k / k_scale and v / v_scale
         k, v, q = k / lp["k_scale"], v / lp["v_scale"], q * lp["k_scale"]
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
-    out = attention.attend(backend, q, k_cache, v_cache, md, layer,
-                           sm_scale=cfg.head_dim ** -0.5, sliding_window=cfg.sliding_window)
+    out = attention.attend(backend, q, k_cache, v_cache, md, layer, sm_scale=cfg.head_dim ** -0.5,
+                           sliding_window=layer_window(cfg, lp), sinks=lp.get("sinks"))
     if "v_scale" in lp:
         out = out * lp["v_scale"].astype(out.dtype)
     out = out.reshape(num_tokens, -1)
-    return lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_mask), (k_cache, v_cache)
+    out = lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_mask)
+    return (out + lp["bo"] if "bo" in lp else out), (k_cache, v_cache)
+
+
+def layer_window(cfg: ModelConfig, lp: dict) -> int | jax.Array | None:
+    """This layer's sliding window: the config's, or with per-layer windows (sliding_layers) an i32
+    scalar picked by the layer's `sliding` flag, so every layer runs the same scanned body."""
+    if "sliding" not in lp or cfg.sliding_window is None:
+        return cfg.sliding_window
+    return jnp.where(lp["sliding"] > 0, cfg.sliding_window, attention.FULL_WINDOW).astype(jnp.int32)
 
 
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
@@ -201,6 +214,8 @@ def attention_shapes(cfg: ModelConfig) -> dict:
         layers.update(bq=(L, nq), bk=(L, nkv), bv=(L, nkv))
     if cfg.qk_norm:
         layers.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.sliding_layers is not None:
+        layers["sliding"] = (L,)
     shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)
@@ -229,6 +244,8 @@ ATTENTION_TENSORS: dict[str, tuple[str, bool]] = {
     "bq": ("self_attn.q_proj.bias", False),
     "bk": ("self_attn.k_proj.bias", False),
     "bv": ("self_attn.v_proj.bias", False),
+    "bo": ("self_attn.o_proj.bias", False),
+    "sinks": ("self_attn.sinks", False),
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
 }
@@ -238,6 +255,13 @@ MLP_TENSORS: dict[str, tuple[str, bool]] = {
     "w_down": ("mlp.down_proj.weight", True),
 }
 LAYER_TENSORS = {**ATTENTION_TENSORS, **MLP_TENSORS}
+
+
+def sliding_flag(cfg: ModelConfig) -> dict:
+    """The reader of the `sliding` leaf (1.0 in the layers of cfg.sliding_layers), for a family with
+    per-layer windows: the flag is data, so pipeline stages slice it with their layers."""
+    layers = set(cfg.sliding_layers or ())
+    return {"sliding": lambda get, prefix: np.float32(int(prefix.rstrip(".").rsplit(".", 1)[1]) in layers)}
 
 
 def _config_fields(hf: Mapping, arch: str) -> dict:

@@ -47,6 +47,7 @@ expert's intermediate axis (`_intermediate_split`): XLA cannot partition a Palla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,10 +66,19 @@ MODEL_AXIS = "model"
 @dataclass(frozen=True)
 class Experts:
     """The stacked weights of E experts (SwiGLU), as one layer sees them (float, or packed:
-    expert_weights.py)."""
+    expert_weights.py); a family's variations are optional biases and its own gated activation
+    (gpt-oss: both)."""
     w_gate: ExpertWeight  # [E, H, I]
     w_up: ExpertWeight  # [E, H, I]
     w_down: ExpertWeight  # [E, I, H]
+    b_gate: jax.Array | None = None  # [E, I]
+    b_up: jax.Array | None = None  # [E, I]
+    b_down: jax.Array | None = None  # [E, H]
+    # (gate [C, I], up [C, I]) -> [C, I]; None: silu(gate) * up. Static: hashable, compared by value.
+    activation: Callable[[jax.Array, jax.Array], jax.Array] | None = field(default=None, metadata=dict(static=True))
+
+    def act(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        return jax.nn.silu(gate) * up if self.activation is None else self.activation(gate, up)
 
     @property
     def num_experts(self) -> int:
@@ -120,7 +130,7 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
         y = expert_swiglu(x, jnp.where(mine, ids, local), experts, dots, backend)  # id `local`: not computed
         return jax.lax.psum(_combine(y, jnp.where(mine, weights, 0.0), x.dtype), MODEL_AXIS)
 
-    spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones too) is [E, ...]
+    spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones, biases too) is [E, ...]
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
 
@@ -185,8 +195,11 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array, dots) -> jax.Array:
     weight = lambda w: cast(expert_weight(w, e, x.dtype))  # noqa: E731  (packed: this expert dequantized)
     gate = jnp.dot(cast(x), weight(experts.w_gate), preferred_element_type=c)
     up = jnp.dot(cast(x), weight(experts.w_up), preferred_element_type=c)
-    h = (jax.nn.silu(gate) * up).astype(x.dtype)
-    return jnp.dot(cast(h), weight(experts.w_down), preferred_element_type=c).astype(x.dtype)
+    if experts.b_gate is not None:
+        gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
+    h = experts.act(gate, up).astype(x.dtype)
+    out = jnp.dot(cast(h), weight(experts.w_down), preferred_element_type=c)
+    return (out if experts.b_down is None else out + experts.b_down[e]).astype(x.dtype)
 
 
 def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots, backend: str) -> jax.Array:
@@ -194,8 +207,13 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots, ba
     grouped matmuls (expert_weights.grouped_matmul: the Pallas kernel on the Pallas backend)."""
     gate = grouped_matmul(lhs, experts.w_gate, sizes, backend, dots)  # [M, I]
     up = grouped_matmul(lhs, experts.w_up, sizes, backend, dots)
-    h = jax.nn.silu(gate) * up
-    return grouped_matmul(h, experts.w_down, sizes, backend, dots)
+    if experts.b_gate is None:
+        return grouped_matmul(experts.act(gate, up), experts.w_down, sizes, backend, dots)
+    row_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(lhs.shape[0]), side="right")  # [M]; E: no group
+    live = (row_expert < sizes.shape[0])[:, None]
+    bias = lambda b: jnp.where(live, b[jnp.minimum(row_expert, sizes.shape[0] - 1)], 0).astype(gate.dtype)  # noqa: E731
+    h = experts.act(gate + bias(experts.b_gate), up + bias(experts.b_up))
+    return grouped_matmul(h, experts.w_down, sizes, backend, dots) + bias(experts.b_down)
 
 
 def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> jax.Array:

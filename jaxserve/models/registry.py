@@ -8,6 +8,7 @@
     Qwen2MoeForCausalLM          qwen2_moe    jaxserve.models.qwen2_moe
     Qwen3MoeForCausalLM          qwen3_moe    jaxserve.models.qwen3_moe
     MixtralForCausalLM           mixtral      jaxserve.models.mixtral
+    GptOssForCausalLM            gpt_oss      jaxserve.models.gpt_oss
 
 Each module defines `FAMILY`, a `ModelFamily`: the family's config reader (its fields of
 ModelConfig from config.json), its parameter shapes, its weight-name map (our layer leaf ->
@@ -61,6 +62,7 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "jaxserve.models.qwen2_moe"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "jaxserve.models.qwen3_moe"),
     "MixtralForCausalLM": ("mixtral", "jaxserve.models.mixtral"),
+    "GptOssForCausalLM": ("gpt_oss", "jaxserve.models.gpt_oss"),
 }
 
 

@@ -1,4 +1,4 @@
-"""Rotary position embeddings in the HF (rotate-half) convention, with llama3 and linear scaling."""
+"""Rotary position embeddings in the HF (rotate-half) convention, with llama3, linear and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -23,14 +23,45 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
         smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
         mid = (1 - smooth) * inv / factor + smooth * inv
         return np.where(wavelen > low_wavelen, inv / factor, np.where(wavelen < high_wavelen, inv, mid))
+    if cfg.rope_type == "yarn":
+        return _yarn(cfg, inv)
     return inv
 
 
-def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray) -> jnp.ndarray:
-    """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] i32; inv_freq: [head_dim//2] f32."""
+def _yarn(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
+    """YaRN (transformers' _compute_yarn_parameters): dimensions that rotate fewer than beta_slow times
+    over the original context are interpolated (inv / factor), those rotating more than beta_fast
+    times kept, a linear ramp between."""
+    factor, old_len, beta_fast, beta_slow, truncate, _ = cfg.rope_scaling
+    dim = cfg.head_dim
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate
+    return inv / factor * (1 - keep) + inv * keep
+
+
+def attention_scale(cfg: ModelConfig) -> float:
+    """The factor transformers multiplies cos and sin by (YaRN's attention factor; 1 otherwise)."""
+    return cfg.rope_scaling[5] if cfg.rope_type == "yarn" else 1.0
+
+
+def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray, scale: float = 1.0) -> jnp.ndarray:
+    """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] i32; inv_freq: [head_dim//2] f32;
+    scale: attention_scale(cfg), multiplied into cos and sin as transformers does."""
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
     sin = jnp.sin(angles)[:, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -172,7 +172,7 @@ def build_pipeline(params: dict, cfg: ModelConfig, tensor_parallel_size: int, pi
             placed.append(jax.device_put(sp, one if one.process_index == jax.process_index()
                                          else NamedSharding(mesh, P())))
             continue
-        shardings = ModelShardings.create(mesh, dataclasses.replace(cfg, num_layers=b - a)).params
+        shardings = ModelShardings.create(mesh, dataclasses.replace(cfg, num_layers=b - a), sp).params  # packed leaves too
         placed.append(jax.device_put(sp, {k: shardings[k] for k in sp}))
     return Pipeline(cfg, ranges, meshes, placed, backend)
 

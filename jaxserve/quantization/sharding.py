@@ -11,12 +11,18 @@ QuantizedWeight expands it field by field:
 
 A row split needs G divisible by the axis (each device holds whole groups); otherwise
 the weight is replicated.
+
+An Mxfp4Weight (gpt-oss's experts, logical [L, E, K, N]) stores N before K's 32-element blocks:
+
+    blocks [L, E, N, K / 32, 16], scales [L, E, N, K / 32]    E and N split as planned; a K split
+                                                              cuts whole blocks (K / 32 divisible)
 """
 
 from __future__ import annotations
 
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.quantization.mxfp4 import Mxfp4Weight
 from jaxserve.quantization.qweight import QuantizedWeight
 
 
@@ -42,12 +48,24 @@ def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeig
                            block_cols=w.block_cols)
 
 
+def mxfp4_spec(spec: P, w: Mxfp4Weight, axis_size: int) -> Mxfp4Weight:
+    """An Mxfp4Weight of PartitionSpecs for a weight planned as `spec` over its logical [..., E, K, N]."""
+    nd = len(w.shape)
+    dims = tuple(spec) + (None,) * (nd - len(tuple(spec)))
+    lead, dk, dn = dims[:-2], dims[-2], dims[-1]
+    if dk is not None and w.scales.shape[-1] % axis_size:  # a K split would cut a block of 32
+        dk = None
+    return Mxfp4Weight(P(*lead, dn, dk, None), P(*lead, dn, dk))
+
+
 def expand_specs(specs: dict, params: dict, axis_size: int) -> dict:
     """The float plan's spec tree with each quantized leaf of `params` expanded (`quantized_spec`).
     Leaves of `params` missing from the plan (the int8 layout's fused ones) are replicated."""
     def expand(spec_node, param_node):
         if isinstance(param_node, QuantizedWeight):
             return quantized_spec(spec_node if isinstance(spec_node, P) else P(), param_node, axis_size)
+        if isinstance(param_node, Mxfp4Weight):
+            return mxfp4_spec(spec_node if isinstance(spec_node, P) else P(), param_node, axis_size)
         if isinstance(param_node, dict):
             return {k: expand(spec_node.get(k, P()) if isinstance(spec_node, dict) else P(), v)
                     for k, v in param_node.items()}

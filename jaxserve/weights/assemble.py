@@ -13,6 +13,7 @@ from jaxserve.models import llama, registry
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params, param_shapes
 from jaxserve.quantization.hf_linear import LinearReader
+from jaxserve.quantization.mxfp4 import Mxfp4Weight
 from jaxserve.quantization.qweight import stack
 
 # The dense Llama family's names (our layer leaf -> (name under model.layers.{i}., transpose?));
@@ -68,8 +69,12 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
             bar.update(1)
             continue
         if callable(tensors[leaf]):  # a family's reader (experts stacked, a mixed model's zeros)
-            stacked = np.stack([_read(tensors[leaf], get, i, expected[1:], source) for i in range(cfg.num_layers)])
-            layers[leaf] = place(stacked, expected, f"model.layers.*.{leaf}", f"layers/{leaf}")
+            per_layer = [_read(tensors[leaf], get, i, expected[1:], source) for i in range(cfg.num_layers)]
+            if isinstance(per_layer[0], Mxfp4Weight):  # packed experts (gpt-oss's mxfp4): stay packed
+                layers[leaf] = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_layer)
+                bar.update(1)
+                continue
+            layers[leaf] = place(np.stack(per_layer), expected, f"model.layers.*.{leaf}", f"layers/{leaf}")
             continue
         hf_name, transpose = tensors[leaf]
         if linear is not None and hf_name.endswith("_proj.weight"):
@@ -93,10 +98,13 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     return params
 
 
-def _read(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, ...], source: str) -> np.ndarray:
-    """One layer's leaf through a family's reader, checked against its expected shape."""
+def _read(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, ...],
+          source: str) -> np.ndarray | Mxfp4Weight:
+    """One layer's leaf through a family's reader (a host array, or packed Mxfp4 experts), checked
+    against its expected (logical) shape."""
     try:
-        arr = np.asarray(reader(get, f"model.layers.{layer}."))
+        out = reader(get, f"model.layers.{layer}.")
+        arr = out if isinstance(out, Mxfp4Weight) else np.asarray(out)
     except KeyError as e:
         raise ValueError(f"{source}: missing tensor {e.args[0]!r}") from None
     if arr.shape != expected:

@@ -35,6 +35,7 @@ CHUNKED_PREFILL_TOKENS = 512  # a step's token budget with chunked prefill, unle
 # allocator's fragmentation need the rest, and a server sized to 0.98 dies of OOM at its first long batch.
 MAX_GPU_MEMORY_UTILIZATION = 0.95
 MATMUL_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+EXPERT_LEAVES = ("we_gate", "we_up", "we_down")  # a MoE layer's stacked experts [L, E, in, out]
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class QuantScheme:
     scale_bytes: int
     zero_bits: int
     lm_head: bool  # the LM head is quantized too (tied embeddings: a quantized copy of embed.T)
+    leaves: tuple[str, ...] = MATMUL_LEAVES  # the layer leaves stored this way (the rest: the model dtype)
 
     def matrix_bytes(self, rows: int, cols: int) -> int:
         groups = -(-rows // self.group_size) if self.group_size else 1
@@ -58,7 +60,8 @@ STORAGE: dict[str, QuantScheme] = {
     "int8": QuantScheme(8, 0, 4, 0, lm_head=True),  # jaxserve's W8A8 (jaxserve/quantization): f32 per-channel scale
     "fp8": QuantScheme(8, 0, 4, 0, lm_head=False),  # e4m3 per output channel, as vLLM's fp8
     "w4a16": QuantScheme(4, 128, 2, 4, lm_head=False),  # AWQ / GPTQ / compressed-tensors 4-bit, group 128
-    "mxfp4": QuantScheme(4, 32, 1, 0, lm_head=False),  # gpt-oss experts: e2m1, an e8m0 scale per 32
+    # gpt-oss: the experts only, e2m1 with an e8m0 scale per 32; attention and router stay float
+    "mxfp4": QuantScheme(4, 32, 1, 0, lm_head=False, leaves=EXPERT_LEAVES),
 }
 # Every --quantization method (formats.METHODS, the one list), sized as the scheme it loads into.
 QUANT_SCHEMES: dict[str, QuantScheme] = {m: STORAGE[formats.SIZING_SCHEMES[m]] for m in formats.METHODS}
@@ -96,9 +99,10 @@ def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int =
     for leaf, shape in shapes["layers"].items():
         spec = tuple(plan.specs["layers"][leaf])
         shard = _shard_elems(shape[1:], spec[1:], tp, plan.kv_groups)  # one layer's shard
-        if scheme and leaf in MATMUL_LEAVES:  # [L, in, out]: the shard's rows and columns
-            rows = _shard_elems(shape[1:2], spec[1:2], tp, plan.kv_groups)
-            total += (end - start) * scheme.matrix_bytes(rows, shard // rows)
+        if scheme and leaf in scheme.leaves:  # [L, (E,) in, out]: the shard's matrices, rows and columns
+            rows = _shard_elems(shape[-2:-1], spec[-2:-1], tp, plan.kv_groups)
+            cols = _shard_elems(shape[-1:], spec[-1:], tp, plan.kv_groups)
+            total += (end - start) * shard // (rows * cols) * scheme.matrix_bytes(rows, cols)
         else:
             total += (end - start) * shard * width
     embed = _shard_elems(shapes["embed"], tuple(plan.specs["embed"]), tp, plan.kv_groups) * width
