@@ -103,6 +103,17 @@ for ep, specs in ((True, (P("model"),) * 3), (False, (P(None, None, "model"),) *
     split = moe.Experts(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((ex.w_gate, ex.w_up, ex.w_down), specs)))
     got = run(x, router, split, expert_parallel=ep, backend=PALLAS_INTERPRET)
     print("INTERPRET", "ep" if ep else "tp", float(jnp.max(jnp.abs(got - want))))
+# gpt-oss's experts: biases and the clamped SwiGLU (the down bias added once, not once a device)
+from jaxserve.models.gpt_oss import ClampedSwiGLU
+biased = moe.Experts(ex.w_gate, ex.w_up, ex.w_down, w(8, 32, 32)[:, 0], w(8, 32, 32)[:, 1], w(8, 64, 64)[:, 0],
+                     ClampedSwiGLU(1.702, 7.0))
+want = moe.moe(x, router, biased)
+for ep, specs in ((True, (P("model"),) * 6), (False, (P(None, None, "model"),) * 2 + (P(None, "model", None),)
+                                                      + (P(None, "model"),) * 2 + (P(),))):
+    leaves = (biased.w_gate, biased.w_up, biased.w_down, biased.b_gate, biased.b_up, biased.b_down)
+    split = moe.Experts(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(leaves, specs)), biased.activation)
+    got = run(x, router, split, expert_parallel=ep, backend=PALLAS_INTERPRET)
+    print("BIASED", "ep" if ep else "tp", float(jnp.max(jnp.abs(got - want))))
 '''
 
 
@@ -120,7 +131,7 @@ def test_parallel_decode_steps_lower_with_the_kernel_on_each_shard():
     proc = subprocess.run([sys.executable, "-c", PARALLEL_EXPORT], env=env, capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {tuple(line.split()[:2]): line for line in proc.stdout.splitlines() if line.startswith(("EXPORT", "INT"))}
+    lines = {tuple(line.split()[:2]): line for line in proc.stdout.splitlines() if line.startswith(("EXPORT", "INT", "BIASED"))}
     ep, tp = lines["EXPORT", "ep"], lines["EXPORT", "tp"]
     for line in (ep, tp):
         assert "'grouped_matmul'" in line and "'paged_attention_decode'" in line, line
@@ -128,6 +139,7 @@ def test_parallel_decode_steps_lower_with_the_kernel_on_each_shard():
     assert "tensor<8x64x16xbf16>" in tp and "tensor<8x16x64xbf16>" in tp, tp  # I / 2 of every expert
     for mode in ("ep", "tp"):
         assert float(lines["INTERPRET", mode].split()[-1]) < 1e-5, lines["INTERPRET", mode]
+        assert float(lines["BIASED", mode].split()[-1]) < 1e-5, lines["BIASED", mode]
 
 
 def _random_model(cfg: ModelConfig):

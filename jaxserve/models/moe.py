@@ -46,7 +46,7 @@ expert's intermediate axis (`_intermediate_split`): XLA cannot partition a Palla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import jax
@@ -148,13 +148,19 @@ def _intermediate_split(x, ids, weights, experts: Experts, dots, backend: str, m
     columns, down rows: moe_layers.moe_partition_rules' placement) inside a shard_map -- a Pallas kernel has no partitioning rule, so
     XLA would otherwise gather the whole stacks to every device -- and one psum adds the partial
     down projections, as a dense MLP's all-reduce."""
-    specs = Experts(P(None, None, MODEL_AXIS), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None))  # moe_layers' plan
+    b_down, experts = experts.b_down, replace(experts, b_down=None)  # added once, after the psum
+    column = P(None, MODEL_AXIS) if experts.b_gate is not None else None  # gate/up biases split as their columns
+    specs = Experts(P(None, None, MODEL_AXIS), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None),  # moe_layers' plan
+                    column, column, None, experts.activation)
 
     def shard(x, ids, weights, experts):
         return jax.lax.psum(_combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype), MODEL_AXIS)
 
-    return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
-                         check_vma=False)(x, ids, weights, experts)
+    out = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
+                        check_vma=False)(x, ids, weights, experts)
+    if b_down is None:
+        return out
+    return (out + _combine(b_down[ids].astype(jnp.float32), weights, jnp.float32)).astype(x.dtype)
 
 
 def _combine(y: jax.Array, weights: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -207,11 +213,16 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots, ba
     grouped matmuls (expert_weights.grouped_matmul: the Pallas kernel on the Pallas backend)."""
     gate = grouped_matmul(lhs, experts.w_gate, sizes, backend, dots)  # [M, I]
     up = grouped_matmul(lhs, experts.w_up, sizes, backend, dots)
-    if experts.b_gate is None:
+    if experts.b_gate is None and experts.b_down is None:
         return grouped_matmul(experts.act(gate, up), experts.w_down, sizes, backend, dots)
     row_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(lhs.shape[0]), side="right")  # [M]; E: no group
     live = (row_expert < sizes.shape[0])[:, None]
-    bias = lambda b: jnp.where(live, b[jnp.minimum(row_expert, sizes.shape[0] - 1)], 0).astype(gate.dtype)  # noqa: E731
+
+    def bias(b):  # each sorted row's expert's bias [M, n] (0 past the groups, or with no bias)
+        if b is None:
+            return 0
+        return jnp.where(live, b[jnp.minimum(row_expert, sizes.shape[0] - 1)], 0).astype(gate.dtype)
+
     h = experts.act(gate + bias(experts.b_gate), up + bias(experts.b_up))
     return grouped_matmul(h, experts.w_down, sizes, backend, dots) + bias(experts.b_down)
 
