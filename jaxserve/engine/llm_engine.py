@@ -155,12 +155,17 @@ class LLMEngine:
         width = jnp.dtype(self.model_dtype).itemsize
         self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
                                                            args.quantization)
+        # the LoRA slots are allocated beside the weights, before the pool (vLLM's profile run counts them)
+        lora_width = width if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype).itemsize
+        self.lora_bytes = sizing.lora_slot_bytes(cfg, args.max_loras if args.enable_lora else 0,
+                                                 args.max_lora_rank, lora_width, tp)
         self.activation_bytes = 0
         if needs_profile(args.num_gpu_blocks_override):
             probe = config.with_blocks(config.min_blocks + 1).runner_config()
             self.activation_bytes = (self.pipeline is None and activation_bytes(self.model, probe)) or \
                 sizing.activation_bytes_estimate(cfg, config.max_num_batched_tokens, args.max_num_seqs, width, tp)
-        num_gpu = num_device_blocks(per_block, self.weight_bytes, self.activation_bytes, config.min_blocks,
+        num_gpu = num_device_blocks(per_block, self.weight_bytes + self.lora_bytes, self.activation_bytes,
+                                    config.min_blocks,
                                     num_gpu_blocks_override=args.num_gpu_blocks_override,
                                     gpu_memory_utilization=args.gpu_memory_utilization,
                                     kv_cache_memory=args.kv_cache_memory)

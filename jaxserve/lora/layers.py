@@ -138,7 +138,8 @@ def step_inputs(slots: jax.Array, owner: jax.Array, kernel: str = "") -> LoRASte
 
 
 def slot_mask(slots: jax.Array, owner: jax.Array) -> jax.Array:
-    """slots [T] i32 (0: base model), owner [S*R] or [S, R] i32 -> mask [T, S*R] f32: 1 on the token's slot's columns."""
+    """slots [T] i32 (0: base model), owner [S*R] or [S, R] i32 -> mask [T, S*R] f32: 1 on the token's slot's
+    columns."""
     return (slots[:, None] == owner.reshape(1, -1)).astype(jnp.float32)
 
 
