@@ -79,11 +79,11 @@ def kernel_calls(text: str) -> int:
 
 def test_decode_program_with_lora_lowers_to_the_kernel_for_cuda():
     decode = lowered_step(EXPORT_CFG, 16, decode_only=True)
-    assert '"lora_shrink_expand"' in decode and '"paged_attention_decode"' in decode
+    assert '"lora_shrink"' in decode and '"lora_expand"' in decode and '"paged_attention_decode"' in decode
     # each of the 7 projections' deltas is one kernel call inside the layer scan's body
     assert kernel_calls(decode) == 7
     ragged = lowered_step(EXPORT_CFG, 128, decode_only=False)  # past MAX_ROWS: the XLA product
-    assert '"lora_shrink_expand"' not in ragged and '"ragged_paged_attention"' in ragged
+    assert kernel_calls(ragged) == 0 and '"lora_shrink"' not in ragged and '"ragged_paged_attention"' in ragged
 
 
 def test_step_inputs_checks_the_kernel_name():

@@ -28,7 +28,10 @@ The gather materialises [T, in, R] per projection (50 MB at 512 tokens) and ragg
 on XLA:CPU runs every group over the whole batch plus a sort and scatter; the one-hot
 form is two dense matmuls whose cost grows with max_loras * max_rank (keep those to what
 the deployment needs) and is the fastest at 64+ tokens, the steps that dominate a busy
-server.
+server. Steps that take their base projections as bfloat16 dots (the CPU's `--dtype auto`,
+llama.run_layers' bf16_dots_from) take the deltas' dots in bfloat16 too: in float32 they had
+cost 13-17% of a 128-256-token step of the default model with 8 slots of rank 8, 3-8% as
+bfloat16 dots (this CPU, shared, one process side by side).
 
 On GPUs (the Pallas attention backend) a step of at most MAX_ROWS (64) tokens takes each delta
 from pallas_kernels/lora_shrink_expand.py instead (Punica's BGMV: each token reads its own
@@ -143,9 +146,12 @@ def slot_mask(slots: jax.Array, owner: jax.Array) -> jax.Array:
     return (slots[:, None] == owner.reshape(1, -1)).astype(jnp.float32)
 
 
-def delta(x: jax.Array, ab: dict[str, jax.Array], step: LoRAStep | jax.Array, name: str = "") -> jax.Array:
+def delta(x: jax.Array, ab: dict[str, jax.Array], step: LoRAStep | jax.Array, name: str = "",
+          dots: jnp.dtype | None = None) -> jax.Array:
     """x [T, in] -> the adapters' contribution [T, out] (shrink, select the token's slot, expand).
-    step: the step's LoRAStep (or its bare mask [T, S*R]: the XLA path); name: the projection."""
+    step: the step's LoRAStep (or its bare mask [T, S*R]: the XLA path); name: the projection;
+    dots: the XLA path's operands in that dtype, accumulated in float32 (as the base projections'
+    in the same step: llama.run_layers' bf16_dots_from)."""
     if isinstance(step, LoRAStep):
         if step.kernel and x.shape[0] <= kernel.MAX_ROWS:
             out = kernel_delta(x, ab, step, name)
@@ -153,6 +159,8 @@ def delta(x: jax.Array, ab: dict[str, jax.Array], step: LoRAStep | jax.Array, na
                 return out
         step = step.mask
     a, b = ab["a"], ab["b"]
+    if dots is not None:
+        a, b = a.astype(dots), b.astype(dots)
     shrunk = jnp.dot(x.astype(a.dtype), a, preferred_element_type=jnp.float32) * step
     return jnp.dot(shrunk.astype(b.dtype), b, preferred_element_type=jnp.float32).astype(x.dtype)
 
@@ -193,8 +201,9 @@ def _model_mesh(a: jax.Array):
     return mesh
 
 
-def add(y: jax.Array, lp: dict, name: str, x: jax.Array, step: LoRAStep | None) -> jax.Array:
+def add(y: jax.Array, lp: dict, name: str, x: jax.Array, step: LoRAStep | None,
+        dots: jnp.dtype | None = None) -> jax.Array:
     """The model's hook: y (the projection of x by lp[name]) plus its LoRA delta, when the step has adapters."""
     if step is None or name not in lp.get("lora", {}):
         return y
-    return y + delta(x, lp["lora"][name], step, name)
+    return y + delta(x, lp["lora"][name], step, name, dots)

@@ -64,7 +64,7 @@ def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
         q, k, v = jnp.split(matmul(x, lp["wqkv"], dots), [nq, nq + nkv], axis=-1)
     else:
         q, k, v = matmul(x, lp["wq"], dots), matmul(x, lp["wk"], dots), matmul(x, lp["wv"], dots)
-    q, k, v = (lora.add(y, lp, name, x, lora_step) for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
+    q, k, v = (lora.add(y, lp, name, x, lora_step, dots) for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -91,7 +91,7 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
     if "v_scale" in lp:
         out = out * lp["v_scale"].astype(out.dtype)
     out = out.reshape(num_tokens, -1)
-    return lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_step), (k_cache, v_cache)
+    return lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_step, dots), (k_cache, v_cache)
 
 
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
@@ -161,10 +161,10 @@ def dense_mlp(cfg: ModelConfig, lp: dict, x: jax.Array, dots: jnp.dtype | None =
         gate, up = jnp.split(matmul(x, lp[prefix + "_gate_up"], dots), 2, axis=-1)
     else:
         gate, up = matmul(x, lp[prefix + "_gate"], dots), matmul(x, lp[prefix + "_up"], dots)
-    gate = lora.add(gate, lp, prefix + "_gate", x, lora_step)
-    up = lora.add(up, lp, prefix + "_up", x, lora_step)
+    gate = lora.add(gate, lp, prefix + "_gate", x, lora_step, dots)
+    up = lora.add(up, lp, prefix + "_up", x, lora_step, dots)
     act = jax.nn.silu(gate) * up
-    return lora.add(matmul(act, lp[prefix + "_down"], dots), lp, prefix + "_down", act, lora_step)
+    return lora.add(matmul(act, lp[prefix + "_down"], dots), lp, prefix + "_down", act, lora_step, dots)
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
