@@ -102,7 +102,8 @@ def main() -> int:
         briefs.append(f"M={m}: kernel {t_k * 1e6:.0f} us vs XLA {t_x * 1e6:.0f} us ({t_x / t_k:.2f}x), "
                       f"base {t_b * 1e6:.0f} us, err {err:.1e}")
     status = "ALL PASS" if worst <= TOLERANCE else f"SOME CHECKS FAILED (error {worst:.2e} > {TOLERANCE})"
-    print(f"BRIEF lora kernel vs XLA, one 8B layer, {NUM_SLOTS}x rank {RANK}: " + "; ".join(briefs)
+    where = "tiny shapes, interpret mode" if args.cpu_smoke else "one Llama-3.1-8B layer"
+    print(f"BRIEF lora kernel vs XLA, {where}, {NUM_SLOTS}x rank {RANK}: " + "; ".join(briefs)
           + f"; {status} (total {time.perf_counter() - t_start:.1f} s)")
     return 0 if worst <= TOLERANCE else 1
 
