@@ -68,3 +68,20 @@ def test_plan_counts_the_lora_slots(tp):
     assert on["kv_budget_bytes"] == off["kv_budget_bytes"] - on["lora_bytes"]
     assert on["num_gpu_blocks"] < off["num_gpu_blocks"]
     assert "--enable-lora --max-loras 8 --max-lora-rank 64" in on["flags"]
+
+
+def test_engine_refuses_lora_slots_that_cannot_fit_before_loading(monkeypatch):
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.llm_engine import _lora_bytes
+    from jaxserve.plan.source import read_model
+    from tests.test_plan import _fit_flags
+
+    monkeypatch.setattr(kv_sizing, "accelerator_memory_bytes", lambda: 24 << 30)  # a 24 GiB device
+    cfg = read_model("meta-llama/Llama-3.1-8B-Instruct").config
+    flags = _fit_flags(EngineArgs(max_model_len=4096))
+    kv_sizing.refuse_oversized_weights(cfg, 2, **flags)  # 16 GB of bfloat16 weights fit
+    args = EngineArgs(max_model_len=4096, enable_lora=True, max_loras=32, max_lora_rank=256)
+    lora = _lora_bytes(args, cfg, 2, 1)
+    assert lora == sizing.lora_slot_bytes(cfg, 32, 256, 2) > 40e9
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization: weights \(\d+ bytes\)"):
+        kv_sizing.refuse_oversized_weights(cfg, 2, **flags, lora_bytes=lora)

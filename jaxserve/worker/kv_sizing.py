@@ -35,15 +35,16 @@ def needs_profile(num_gpu_blocks_override: int | None) -> bool:
 def refuse_oversized_weights(cfg, width: int, *, tensor_parallel_size: int, pipeline_parallel_size: int,
                              quantization: str | None, max_model_len: int | None,
                              max_num_batched_tokens: int | None, enable_chunked_prefill: bool, max_num_seqs: int,
-                             gpu_memory_utilization: float) -> None:
+                             gpu_memory_utilization: float, lora_bytes: int = 0) -> None:
     """Before loading anything: on an accelerator, ValueError (sizing.kv_budget's, with the numbers)
-    when the weights this configuration puts on one device plus the estimated activation reserve
-    exceed --gpu-memory-utilization of it -- instead of an out-of-memory error halfway through the load."""
+    when the weights this configuration puts on one device (LoRA slots, `lora_bytes`, included) plus
+    the estimated activation reserve exceed --gpu-memory-utilization of it -- instead of an
+    out-of-memory error halfway through the load."""
     total = accelerator_memory_bytes()
     if total is None:
         return
     tp = tensor_parallel_size
-    weights = sizing.weight_bytes_per_device(cfg, width, tp, pipeline_parallel_size, quantization)
+    weights = sizing.weight_bytes_per_device(cfg, width, tp, pipeline_parallel_size, quantization) + lora_bytes
     max_len = max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, False)
     tokens = max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len, enable_chunked_prefill)
     kv_budget(total, gpu_memory_utilization, weights,
