@@ -16,6 +16,8 @@
 #   d  kernels         decode vs ragged kernels on decode batches vs copy bandwidth (scripts/gpu_check.py)
 #   host_gap           scripts/bench_host_gap.py at the 8B shape: the device's wait between steps, sync vs async
 #   quant              scripts/gpu_quant.py, when present
+#   lora               scripts/gpu_lora.py: the LoRA Pallas kernel vs the XLA one-hot path at M = 1, 16, 64
+#                      (one Llama-3.1-8B layer's seven projections, 8 adapters of rank 16, bf16)
 #   warmup_cost        per-program compile time of the 8B grid on the GPU (scripts/warmup_cost.py)
 #   moe30b             Qwen3-30B-A3B's shape (48 layers, 128 experts, top-8), random bf16: output tok/s at 8
 #                      and 64 sequences; the grouped matmul kernel vs ragged_dot at decode sizes (scripts/gpu_moe.py)
@@ -124,6 +126,8 @@ stage llama8b 200 $E $BIG --backend $PALLAS $BIGRUN --workloads $W1 --num-compar
 stage step8b 90 "$PYTHON" scripts/gpu_step.py $STEP --backend $PALLAS
 # The quantized matmuls against bf16 (W4A16 kernel at M = 1, 16, 64; the fp8 dot), when that script has landed
 [ -f scripts/gpu_quant.py ] && stage quant 60 "$PYTHON" scripts/gpu_quant.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+# The LoRA shrink/expand kernel against the XLA one-hot product (Llama-3.1-8B's projections, rank 16, 8 adapters)
+stage lora 60 "$PYTHON" scripts/gpu_lora.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 # (e) restart on the same cache, the other scheduling mode, then (f)
 stage llama8b_restart 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W2 --num-compare 0 --no-async-scheduling
 # FP8 weights (quantized on load, e4m3 per output channel, dynamic per-token activations) on the 1,000 requests

@@ -27,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from jaxserve.engine.args import KV_CACHE_DTYPES, QUANTIZATIONS, EngineArgs  # noqa: E402
 
@@ -53,6 +54,10 @@ def main() -> None:
     p.add_argument("--random-model", default=None, metavar="SHAPE",
                    help="random weights of a shape in scripts/gpu_engine.py (smollm2-135m, llama-3.1-8b) "
                         "instead of --model: the GPU machine has no model files")
+    p.add_argument("--num-adapters", type=int, default=0,
+                   help="> 0: --enable-lora with this many random PEFT adapters of rank --max-lora-rank "
+                        "(scripts/bench_lora.py's), each request under a random one of them")
+    p.add_argument("--max-lora-rank", type=int, default=8)
     args = p.parse_args()
 
     from jaxserve.bench.datasets import lognormal_requests
@@ -60,7 +65,18 @@ def main() -> None:
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.worker import model_runner
 
-    loaded = None
+    loaded, lora_flags, adapters = None, {}, []
+    if args.num_adapters:
+        import tempfile
+        from pathlib import Path
+
+        import bench_lora  # scripts/ is this script's directory, so on sys.path
+        from jaxserve.lora.request import LoRARequest
+
+        paths = bench_lora.make_adapters(Path(tempfile.mkdtemp(prefix="profile_lora_")), args.num_adapters,
+                                         args.max_lora_rank)
+        adapters = [LoRARequest(f"a{k}", k + 1, path) for k, path in enumerate(paths)]
+        lora_flags = dict(enable_lora=True, max_loras=args.num_adapters, max_lora_rank=args.max_lora_rank)
     if args.random_model:
         import gpu_engine  # scripts/ is this script's directory, so on sys.path
         from jaxserve.weights.loader import resolve_dtype
@@ -71,8 +87,8 @@ def main() -> None:
         max_model_len=args.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
         quantization=args.quantization, block_size=args.block_size, dtype=args.dtype,
         attention_backend=args.attention_backend, kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization, compilation_cache_dir=args.compilation_cache_dir),
-        model=loaded)
+        gpu_memory_utilization=args.gpu_memory_utilization, compilation_cache_dir=args.compilation_cache_dir,
+        **lora_flags), model=loaded)
     if loaded is not None:
         requests = gpu_engine.requests(args.num_prompts, loaded.config.vocab_size, args.seed,
                                        args.input_median, args.output_median, args.sigma)
@@ -101,10 +117,14 @@ def main() -> None:
     runner._model_step = timed("model", runner._model_step, sync=True)
     runner._sample_step = timed("sample", runner._sample_step)
     model_runner._fetch = timed("sample", model_runner._fetch)  # the sampled tokens' device-to-host wait
+    if adapters:  # an adapter written into a device slot (host copy -> stacked arrays)
+        runner._write_lora = timed("lora_write", runner._write_lora, sync=True)
 
+    picks = np.random.default_rng(1).integers(0, max(1, len(adapters)), len(requests))
     for i, r in enumerate(requests):
         engine.add_request(str(i), {"prompt_token_ids": r.prompt},
-                           SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True))
+                           SamplingParams(temperature=0.0, max_tokens=r.expected_output_len, ignore_eos=True),
+                           lora_request=adapters[picks[i]] if adapters else None)
     steps = collections.defaultdict(list)  # kind -> [(total, {phase: s}, batched tokens)]
     t_start = time.perf_counter()
     while engine.has_unfinished_requests():
@@ -130,7 +150,7 @@ def main() -> None:
     n_out, n_in = sum(r.expected_output_len for r in requests), sum(r.prompt_len for r in requests)
     print(f"{args.num_prompts} requests, {n_in} prompt + {n_out} output tokens in {wall:.1f} s: "
           f"{n_out / wall:.1f} output tok/s, {(n_in + n_out) / wall:.1f} total tok/s")
-    names = ("schedule", "prepare", "model", "sample", "update")
+    names = ("schedule", "prepare", "model", "sample", "update") + (("lora_write",) if adapters else ())
     print(f"{'steps':>22} {'n':>5} {'tokens':>7} {'step ms':>8} " + " ".join(f"{n:>9}" for n in names)
           + f" {'share':>6}")
     for kind, rows in steps.items():

@@ -63,5 +63,6 @@ def test_lowers_for_cuda(m, k, n):
     shapes = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((m,), jnp.int32),
               jax.ShapeDtypeStruct((k, 8 * 16), jnp.bfloat16), jax.ShapeDtypeStruct((8 * 16, n), jnp.bfloat16))
     fn = jax.jit(lambda x, s, a, b: lora_shrink_expand(x, s, a, b, rank=16))
-    exp = export.export(fn, platforms=["cuda"], disabled_checks=[TRITON])(*shapes)
-    assert "xla.gpu.triton" in exp.mlir_module()
+    text = export.export(fn, platforms=["cuda"], disabled_checks=[TRITON])(*shapes).mlir_module()
+    assert text.count("@__gpu$xla.gpu.triton(") == 2  # the shrink, then the expand
+    assert '"lora_shrink"' in text and '"lora_expand"' in text

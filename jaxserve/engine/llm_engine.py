@@ -81,13 +81,15 @@ class LLMEngine:
         if model is None:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
+                width = jnp.dtype(resolve_dtype(args.dtype)).itemsize
                 refuse_oversized_weights(
-                    source.config, jnp.dtype(resolve_dtype(args.dtype)).itemsize,
+                    source.config, width,
                     tensor_parallel_size=args.tensor_parallel_size,
                     pipeline_parallel_size=args.pipeline_parallel_size, quantization=args.quantization,
                     max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
                     enable_chunked_prefill=args.enable_chunked_prefill, max_num_seqs=args.max_num_seqs,
-                    gpu_memory_utilization=args.gpu_memory_utilization)
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    lora_bytes=_lora_bytes(args, source.config, width, args.tensor_parallel_size))
             model = load_model(source, args.dtype, progress, mesh=mesh, quantization=args.quantization,
                                expert_parallel=args.enable_expert_parallel)
         else:
@@ -155,12 +157,15 @@ class LLMEngine:
         width = jnp.dtype(self.model_dtype).itemsize
         self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
                                                            args.quantization)
+        # the LoRA slots are allocated beside the weights, before the pool (vLLM's profile run counts them)
+        self.lora_bytes = _lora_bytes(args, cfg, width, tp)
         self.activation_bytes = 0
         if needs_profile(args.num_gpu_blocks_override):
             probe = config.with_blocks(config.min_blocks + 1).runner_config()
             self.activation_bytes = (self.pipeline is None and activation_bytes(self.model, probe)) or \
                 sizing.activation_bytes_estimate(cfg, config.max_num_batched_tokens, args.max_num_seqs, width, tp)
-        num_gpu = num_device_blocks(per_block, self.weight_bytes, self.activation_bytes, config.min_blocks,
+        num_gpu = num_device_blocks(per_block, self.weight_bytes + self.lora_bytes, self.activation_bytes,
+                                    config.min_blocks,
                                     num_gpu_blocks_override=args.num_gpu_blocks_override,
                                     gpu_memory_utilization=args.gpu_memory_utilization,
                                     kv_cache_memory=args.kv_cache_memory)
@@ -394,3 +399,11 @@ def _read_template(value: str) -> str:
 
     p = Path(value)
     return p.read_text() if p.is_file() else value
+
+
+def _lora_bytes(args: EngineArgs, cfg, width: int, tensor_parallel_size: int) -> int:
+    """One device's LoRA slots (0 without --enable-lora), in --lora-dtype (auto: `width`, the model's)."""
+    if not args.enable_lora:
+        return 0
+    lora_width = width if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype).itemsize
+    return sizing.lora_slot_bytes(cfg, args.max_loras, args.max_lora_rank, lora_width, tensor_parallel_size)

@@ -57,9 +57,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
                 inv_freq: jax.Array, dots: jnp.dtype | None = None,
-                lora_mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                lora_step: lora.LoRAStep | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One layer's q [T, nq, hd], k, v [T, nkv, hd] from its normed input: projections, biases,
-    q/k norms and rope (float or quantized weights; `dots`: see run_layers; `lora_mask`: the
+    q/k norms and rope (float or quantized weights; `dots`: see run_layers; `lora_step`: the
     step's adapters, jaxserve/lora/layers.py)."""
     num_tokens = x.shape[0]
     if "wqkv" in lp:  # fused layout (int8): one dot
@@ -67,7 +67,7 @@ def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
         q, k, v = jnp.split(matmul(x, lp["wqkv"], dots), [nq, nq + nkv], axis=-1)
     else:
         q, k, v = matmul(x, lp["wq"], dots), matmul(x, lp["wk"], dots), matmul(x, lp["wv"], dots)
-    q, k, v = (lora.add(y, lp, name, x, lora_mask) for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
+    q, k, v = (lora.add(y, lp, name, x, lora_step, dots) for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -84,9 +84,9 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
                      positions: jax.Array, kv: tuple[jax.Array, jax.Array], md: AttentionMetadata,
                      layer: jax.Array, inv_freq: jax.Array,
                      dots: jnp.dtype | None = None,
-                     lora_mask: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+                     lora_step: lora.LoRAStep | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     num_tokens = x.shape[0]
-    q, k, v = project_qkv(cfg, lp, x, positions, inv_freq, dots, lora_mask)
+    q, k, v = project_qkv(cfg, lp, x, positions, inv_freq, dots, lora_step)
     if "k_scale" in lp:  # a checkpoint's fp8 KV scales: the pool holds k / k_scale and v / v_scale
         k, v, q = k / lp["k_scale"], v / lp["v_scale"], q * lp["k_scale"]
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
@@ -95,7 +95,7 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
     if "v_scale" in lp:
         out = out * lp["v_scale"].astype(out.dtype)
     out = out.reshape(num_tokens, -1)
-    out = lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_mask)
+    out = lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_step, dots)
     return (out + lp["bo"] if "bo" in lp else out), (k_cache, v_cache)
 
 
@@ -121,16 +121,18 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
     the params carry LoRA slots (params["lora_owner"], jaxserve/lora/layers.py).
     """
     h = params["embed"][token_ids]  # [T, hidden]
-    mask = lora.slot_mask(lora_slots, params["lora_owner"]) if lora_slots is not None and "lora_owner" in params \
-        else None
-    kv_cache, h = run_layers(params["layers"], cfg, kv_cache, h, positions, md, backend, bf16_dots_from, mask)
+    step = None
+    if lora_slots is not None and "lora_owner" in params:  # the Pallas backends: decode-sized deltas by the kernel
+        kernel = {"pallas": "pallas", attention.PALLAS_INTERPRET: "interpret"}.get(backend, "")
+        step = lora.step_inputs(lora_slots, params["lora_owner"], kernel)
+    kv_cache, h = run_layers(params["layers"], cfg, kv_cache, h, positions, md, backend, bf16_dots_from, step)
     return kv_cache, rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 
 def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], h: jax.Array,
                positions: jax.Array, md: AttentionMetadata,
                backend: str = "xla", bf16_dots_from: int = 0,
-               lora_mask: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+               lora_step: lora.LoRAStep | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """The residual stream h [T, hidden] through the stacked `layers` (leading axis n) and their
     cache (K, V each [n, ...]); a pipeline stage calls it with its own slice of both.
     bf16_dots_from > 0: a batch of that many tokens or more takes its float projections as
@@ -146,15 +148,15 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
         lp, layer = xs
         attn_out, (k_cache, v_cache) = _attention_block(
             cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
-            (k_cache, v_cache), md, layer, inv_freq, dots, lora_mask)
+            (k_cache, v_cache), md, layer, inv_freq, dots, lora_step)
         h = h + attn_out
         x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
-        if lora_mask is None and ffn is dense_mlp:
+        if lora_step is None and ffn is dense_mlp:
             h = h + dense_mlp(cfg, lp, x, dots)
-        elif lora_mask is None:  # a family's block, told the backend (MoE: the Pallas grouped matmul)
+        elif lora_step is None:  # a family's block, told the backend (MoE: the Pallas grouped matmul)
             h = h + ffn(cfg, lp, x, dots, backend=backend)
         elif ffn is dense_mlp:
-            h = h + dense_mlp(cfg, lp, x, dots, lora_mask=lora_mask)
+            h = h + dense_mlp(cfg, lp, x, dots, lora_step=lora_step)
         else:
             raise ValueError(f"enable_lora: LoRA adapters are supported on dense models; {cfg.architecture} "
                              "is a mixture of experts")
@@ -167,17 +169,17 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
 
 
 def dense_mlp(cfg: ModelConfig, lp: dict, x: jax.Array, dots: jnp.dtype | None = None,
-              prefix: str = "w", lora_mask: jax.Array | None = None) -> jax.Array:
+              prefix: str = "w", lora_step: lora.LoRAStep | None = None) -> jax.Array:
     """SwiGLU: x [T, hidden] -> [T, hidden] through lp[prefix + "_gate" / "_up" / "_down"], plus the
-    step's LoRA deltas (lora_mask: jaxserve/lora/layers.py) when it has adapters."""
+    step's LoRA deltas (lora_step: jaxserve/lora/layers.py) when it has adapters."""
     if prefix + "_gate_up" in lp:  # fused layout (int8): one dot
         gate, up = jnp.split(matmul(x, lp[prefix + "_gate_up"], dots), 2, axis=-1)
     else:
         gate, up = matmul(x, lp[prefix + "_gate"], dots), matmul(x, lp[prefix + "_up"], dots)
-    gate = lora.add(gate, lp, prefix + "_gate", x, lora_mask)
-    up = lora.add(up, lp, prefix + "_up", x, lora_mask)
+    gate = lora.add(gate, lp, prefix + "_gate", x, lora_step, dots)
+    up = lora.add(up, lp, prefix + "_up", x, lora_step, dots)
     act = jax.nn.silu(gate) * up
-    return lora.add(matmul(act, lp[prefix + "_down"], dots), lp, prefix + "_down", act, lora_mask)
+    return lora.add(matmul(act, lp[prefix + "_down"], dots), lp, prefix + "_down", act, lora_step, dots)
 
 
 def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:

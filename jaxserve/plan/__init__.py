@@ -46,13 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None, choices=BLOCK_SIZES,
                         help="default: the engine's for the platform (16 on a GPU, 64 on a CPU)")
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV pool on cpu (default 1 GiB)")
+    parser.add_argument("--enable-lora", action="store_true", help="reserve LoRA adapter slots (as serve's flag)")
+    parser.add_argument("--max-loras", type=int, default=1, help="with --enable-lora: adapter slots (default 1)")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora: every slot's rank")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
     """The Setting the flags describe, and where the config came from; ValueError naming a bad flag."""
     sizing.check_gpu_memory_utilization(args.gpu_memory_utilization)
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs"):
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "max_num_seqs", "max_loras", "max_lora_rank"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}: must be >= 1, got {getattr(args, name)}")
     src = read_model(args.model)
@@ -77,7 +80,7 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
     setting = Setting(cfg, gpu, args.tensor_parallel_size, args.pipeline_parallel_size, quant, width, kv_width,
                       max_len, args.gpu_memory_utilization, args.max_num_seqs, tokens,
                       args.block_size or sizing.default_block_size(gpu is None),
-                      args.kv_cache_memory)
+                      args.kv_cache_memory, args.max_loras if args.enable_lora else 0, args.max_lora_rank)
     return setting, src.where
 
 
@@ -112,6 +115,8 @@ def render(r: dict) -> str:
              f"  weights             {_gb(r['weights_bytes_per_device'])}"
              f"{'  (' + r['quantization'] + ')' if r['quantization'] else ''}",
              f"  activation reserve  {_gb(r['activation_bytes'])}",
+             *([f"  LoRA slots          {_gb(r['lora_bytes'])}  ({r['max_loras']} x rank {r['max_lora_rank']})"]
+               if r["lora_bytes"] else []),
              f"  allowed ({r['gpu_memory_utilization']})    {_gb(r['memory_allowed_bytes'])}",
              f"  KV budget           {_gb(r['kv_budget_bytes'])}",
              f"  KV per token        {r['kv_bytes_per_token']} bytes  ({r['kv_bytes_per_block']} per block of "

@@ -2,7 +2,8 @@
 
     weights          sizing.weight_bytes_per_device (largest pipeline stage, TP shard, quantization)
     activations      sizing.activation_bytes_estimate (the engine measures it by a dry run on GPUs)
-    KV               sizing.kv_bytes_per_block; blocks = (memory x utilization - weights - activations)
+    LoRA slots       sizing.lora_slot_bytes (--enable-lora: max_loras x max_lora_rank, every projection)
+    KV               sizing.kv_bytes_per_block; blocks = (memory x utilization - weights - LoRA - activations)
                      // per block (on `cpu`: --kv-cache-memory // per block, as the engine there)
     fits             at least one sequence of max_model_len fits in the pool
     roofline         decode is memory-bound: a step reads this device's weights and the batch's KV,
@@ -40,6 +41,8 @@ class Setting:
     max_num_batched_tokens: int = 512
     block_size: int = 16
     kv_cache_memory: int | None = None
+    max_loras: int = 0  # LoRA slots (0: --enable-lora off)
+    max_lora_rank: int = 16
 
     @property
     def num_devices(self) -> int:
@@ -50,6 +53,7 @@ def estimate(s: Setting) -> dict:
     """The per-device figures of `s`, as plain numbers (the `--json` object)."""
     cfg, tp, pp = s.cfg, s.tensor_parallel_size, s.pipeline_parallel_size
     weights = sizing.weight_bytes_per_device(cfg, s.dtype_bytes, tp, pp, s.quantization)
+    lora = sizing.lora_slot_bytes(cfg, s.max_loras, s.max_lora_rank, s.dtype_bytes, tp)
     per_block = sizing.kv_bytes_per_block(cfg, s.block_size, s.kv_dtype_bytes, tp, pp)
     per_seq = sizing.blocks_per_seq(s.max_model_len, s.block_size)
     if s.gpu is None:
@@ -59,10 +63,10 @@ def estimate(s: Setting) -> dict:
         activations = sizing.activation_bytes_estimate(cfg, s.max_num_batched_tokens, s.max_num_seqs,
                                                        s.dtype_bytes, tp)
         allowed = int(s.gpu.memory_bytes * s.gpu_memory_utilization)
-        budget = allowed - weights - activations
+        budget = allowed - weights - lora - activations
     blocks = max(0, budget // per_block)
     concurrent = blocks // per_seq
-    out = dict(fits=concurrent >= 1, weights_bytes_per_device=weights, activation_bytes=activations,
+    out = dict(fits=concurrent >= 1, weights_bytes_per_device=weights, lora_bytes=lora, activation_bytes=activations,
                memory_allowed_bytes=allowed, kv_budget_bytes=max(0, budget), kv_bytes_per_block=per_block,
                kv_bytes_per_token=per_block // s.block_size, num_gpu_blocks=blocks, blocks_per_seq=per_seq,
                max_concurrent_seqs=concurrent, running_seqs=min(concurrent, s.max_num_seqs),
@@ -166,6 +170,8 @@ def flags(s: Setting) -> str:
         parts.append(f"--pipeline-parallel-size {s.pipeline_parallel_size}")
     if s.quantization:
         parts.append(f"--quantization {s.quantization}")
+    if s.max_loras:
+        parts.append(f"--enable-lora --max-loras {s.max_loras} --max-lora-rank {s.max_lora_rank}")
     parts += [f"--max-model-len {s.max_model_len}", f"--gpu-memory-utilization {s.gpu_memory_utilization}"]
     return " ".join(parts)
 

@@ -32,7 +32,7 @@ class StepInput:
     prev_rows: jax.Array
     attn: AttentionMetadata  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
     # [T] i32, the LoRA slot of each token's adapter (0: the base model, and padding); see jaxserve/lora
-    lora_slots: jax.Array  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
+    lora_slots: jax.Array
 
 
 def buckets(lo: int, hi: int) -> list[int]:

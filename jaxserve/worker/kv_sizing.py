@@ -21,6 +21,11 @@ def device_memory_bytes() -> int | None:
     return stats.get("bytes_limit")
 
 
+def accelerator_memory_bytes() -> int | None:
+    """The device's memory on an accelerator; None on the CPU (the pool is --kv-cache-memory there)."""
+    return device_memory_bytes() if jax.default_backend() != "cpu" else None
+
+
 def needs_profile(num_gpu_blocks_override: int | None) -> bool:
     """Only sizing by --gpu-memory-utilization on an accelerator needs the activation dry run."""
     return num_gpu_blocks_override is None and jax.default_backend() != "cpu" \
@@ -30,15 +35,16 @@ def needs_profile(num_gpu_blocks_override: int | None) -> bool:
 def refuse_oversized_weights(cfg, width: int, *, tensor_parallel_size: int, pipeline_parallel_size: int,
                              quantization: str | None, max_model_len: int | None,
                              max_num_batched_tokens: int | None, enable_chunked_prefill: bool, max_num_seqs: int,
-                             gpu_memory_utilization: float) -> None:
+                             gpu_memory_utilization: float, lora_bytes: int = 0) -> None:
     """Before loading anything: on an accelerator, ValueError (sizing.kv_budget's, with the numbers)
-    when the weights this configuration puts on one device plus the estimated activation reserve
-    exceed --gpu-memory-utilization of it -- instead of an out-of-memory error halfway through the load."""
-    total = device_memory_bytes() if jax.default_backend() != "cpu" else None
+    when the weights this configuration puts on one device (LoRA slots, `lora_bytes`, included) plus
+    the estimated activation reserve exceed --gpu-memory-utilization of it -- instead of an
+    out-of-memory error halfway through the load."""
+    total = accelerator_memory_bytes()
     if total is None:
         return
     tp = tensor_parallel_size
-    weights = sizing.weight_bytes_per_device(cfg, width, tp, pipeline_parallel_size, quantization)
+    weights = sizing.weight_bytes_per_device(cfg, width, tp, pipeline_parallel_size, quantization) + lora_bytes
     max_len = max_model_len or sizing.default_max_model_len(cfg.max_position_embeddings, False)
     tokens = max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len, enable_chunked_prefill)
     kv_budget(total, gpu_memory_utilization, weights,
@@ -49,8 +55,9 @@ def num_device_blocks(bytes_per_block: int, weight_bytes: int, activation_bytes:
                       num_gpu_blocks_override: int | None, gpu_memory_utilization: float,
                       kv_cache_memory: int | None) -> int:
     """min_blocks: what one request of max_model_len needs; fewer is refused with a clear error.
-    activation_bytes: the largest bucket's temporary memory, from a compiled dry run."""
-    total = device_memory_bytes() if jax.default_backend() != "cpu" else None
+    weight_bytes: everything allocated with the weights (LoRA slots included); activation_bytes: the
+    largest bucket's temporary memory, from a compiled dry run."""
+    total = accelerator_memory_bytes()
     if total is not None:  # refuse weights + activations over the allowed share, whatever sets the pool
         budget = kv_budget(total, gpu_memory_utilization, weight_bytes, activation_bytes)
     if num_gpu_blocks_override is not None:

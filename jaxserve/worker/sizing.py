@@ -8,8 +8,11 @@ call these same functions, so what `plan` predicts is what the engine allocates:
     KV bytes per block   2 (K, V) x stage layers x kv heads on one device x block_size x head_dim x width
     activation reserve   measured by an XLA dry run on accelerators; `activation_bytes_estimate`
                          otherwise (plan, and the engine when XLA gives no memory analysis)
-    KV blocks            (device bytes x gpu_memory_utilization - weights - activations) // per block,
-                         or --kv-cache-memory // per block on the CPU
+    LoRA slots           --max-loras x --max-lora-rank columns of A and rows of B for every projection
+                         an adapter may target, per layer, in --lora-dtype (their TP shard), and the
+                         columns' owner ids (jaxserve/lora/layers.py): allocated with the weights
+    KV blocks            (device bytes x gpu_memory_utilization - weights - LoRA slots - activations)
+                         // per block, or --kv-cache-memory // per block on the CPU
 
 No JAX arrays here: the partition plan is read as PartitionSpecs only.
 """
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jaxserve.constants import CPU_MAX_MODEL_LEN
+from jaxserve.lora.layers import slot_specs
+from jaxserve.lora.peft import module_dims
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
@@ -123,6 +128,23 @@ def weight_bytes_per_device(cfg: ModelConfig, width: int, tensor_parallel_size: 
     """The most weight bytes any one device holds (the largest stage's)."""
     return max(stage_weight_bytes(cfg, width, tensor_parallel_size, s, pipeline_parallel_size, quantization)
                for s in range(pipeline_parallel_size))
+
+
+def lora_slot_bytes(cfg: ModelConfig, max_loras: int, max_lora_rank: int, width: int,
+                    tensor_parallel_size: int = 1) -> int:
+    """Bytes of the LoRA slots on one device (0 when max_loras is 0: LoRA off): for each projection
+    (in, out), A [L, in, S*R] and B [L, S*R, out] at `width` bytes, each split as its projection
+    (lora/layers.slot_specs), plus the columns' owners [S*R] i32."""
+    if max_loras <= 0:
+        return 0
+    tp, cols = tensor_parallel_size, max_loras * max_lora_rank
+    dims = module_dims(cfg)
+    specs = slot_specs(dims, partition_plan(cfg, tp).specs["layers"] if tp > 1 else {})
+    total = cols * 4
+    for m, (n_in, n_out) in dims.items():
+        total += _shard_elems((cfg.num_layers, n_in, cols), tuple(specs[m]["a"]), tp, 1) * width
+        total += _shard_elems((cfg.num_layers, cols, n_out), tuple(specs[m]["b"]), tp, 1) * width
+    return total
 
 
 def kv_heads_per_device(cfg: ModelConfig, tensor_parallel_size: int) -> int:
