@@ -39,7 +39,8 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     compiles to one fusion of slice, transpose and vector-matrix dot (each expert read once):
     0.8-1.1x of it, in the same runs (bench_moe.py's `gather_oi` column). Not the engine's layout
     yet: the loader, expert_weights' forms, the TP/EP specs and the Pallas kernel all take
-    [E, K, N]. Measured and no better over [E, K, N]: gate|up fused into one [E, H, 2I] stack
+    [E, K, N], and the sorted path's [C, H] dots run 1.1-1.5x slower over [E, N, K] (16-256
+    tokens; the gather path over it beats them up to ~16 tokens). Measured and no better over [E, K, N]: gate|up fused into one [E, H, 2I] stack
     (one copy and dot per row), a 1-D row, `W^T x` order, an unrolled Python loop over the rows,
     multiply-and-sum in place of the dots (any layout), one gather of all k experts then a batched
     einsum, a `lax.switch` over E static slices. bfloat16 dots do not apply: the engine's CPU
