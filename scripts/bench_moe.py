@@ -5,6 +5,8 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
 
     moe           moe.moe(x, router, experts): the engine's path choice (gather at T*k <= 32, else sorted)
     sorted        the sort-by-expert path forced      gather   the gather path forced
+    gather_oi     the gather path over stacks stored output-major, [E, N, K] (nn.Linear's [out, in]
+                  per expert; the engine stores [E, K, N]): a candidate layout, not the engine's
     ragged_dot    jax.lax.ragged_dot on the sorted rows (the candidate not chosen)
     (a) dense     a dense SwiGLU of the active width (top-k x I) at T rows
     (b) touched   reading every touched expert's weights once (a dense SwiGLU of width U x I at
@@ -82,6 +84,23 @@ def forced(path: str):
     return run
 
 
+def gather_out_in(x, router, ex_oi: moe.Experts):
+    """The gather path's loop over the T*k rows with each stack stored [E, N, K] (ex_oi: the
+    float stacks swapped): XLA:CPU fuses the dynamic slice, a transpose and the vector-matrix
+    dot into one loop (each touched expert read once); over [E, K, N] it copies the slice out
+    first and calls the library dot (read, write, read again)."""
+    ids, weights = moe.route(x, router)
+    t, k = ids.shape
+
+    def one(args):
+        row, e = args  # [1, H], scalar
+        gate, up = row @ ex_oi.w_gate[e].T, row @ ex_oi.w_up[e].T  # [1, I]
+        return (jax.nn.silu(gate) * up) @ ex_oi.w_down[e].T  # [1, H]
+
+    y = jax.lax.map(one, (jnp.repeat(x, k, axis=0)[:, None, :], ids.reshape(-1)))
+    return jnp.einsum("tkh,tk->th", y.reshape(t, k, -1), weights)
+
+
 def pack(ex: moe.Experts, form: str) -> moe.Experts:
     """The float stacks [E, K, N] in `form`, as a checkpoint of that format loads them."""
     if form == "float":
@@ -112,29 +131,34 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--experts", default="float", choices=["float", "fp8_block", "mxfp4"])
+    p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     args = p.parse_args()
     h, i = args.hidden, int(args.hidden * WIDTH)
     rng = np.random.default_rng(0)
     w = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32) / np.sqrt(s[-2]))  # noqa: E731
     ex = moe.Experts(w(NUM_EXPERTS, h, i), w(NUM_EXPERTS, h, i), w(NUM_EXPERTS, i, h))
+    ex_oi = jax.tree.map(lambda a: jnp.swapaxes(a, 1, 2), ex)  # [E, N, K], float only
     ex = pack(ex, args.experts)
     router = moe.Router(w(h, NUM_EXPERTS), None, TOP_K, True)
     active = (w(h, TOP_K * i), w(h, TOP_K * i), w(TOP_K * i, h))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {h}, {NUM_EXPERTS} experts of "
           f"width {i}, top-{TOP_K}, float32, experts {args.experts}; median of {args.repeats}")
     print("| tokens | touched | moe ms | path | (a) dense ms | moe/(a) | (b) ms | moe/(b) | sorted ms | "
-          "gather ms | ragged_dot ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "gather ms | gather_oi ms | gather_oi/(a) | ragged_dot ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fns = {"moe": jax.jit(moe.moe), "sorted": jax.jit(forced("sorted")), "gather": jax.jit(forced("gather"))}
     if args.experts == "float":
         fns["ragged"] = jax.jit(ragged)
+    oi = jax.jit(gather_out_in)
     dense = jax.jit(dense_swiglu)
-    for t in TOKENS:
+    for t in args.tokens:
         x = jnp.asarray(rng.standard_normal((t, h), np.float32))
         ids, _ = moe.route(x, router)
         touched = int(np.unique(np.asarray(ids)).size)
         times = {name: timeit(f, x, router, ex, repeats=args.repeats)
                  for name, f in fns.items() if not (name == "gather" and t > 64)}
+        if args.experts == "float" and t <= 64:
+            times["gather_oi"] = timeit(oi, x, router, ex_oi, repeats=args.repeats)
         a = timeit(dense, x, *active, repeats=args.repeats)
         wide = (w(h, touched * i), w(h, touched * i), w(touched * i, h))
         b = timeit(dense, x[:1], *wide, repeats=args.repeats) + a
@@ -142,6 +166,8 @@ def main() -> None:
         ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
         print(f"| {t} | {touched} | {ms(times['moe'])} | {path} | {ms(a)} | {times['moe'] / a:.2f} | {ms(b)} | "
               f"{times['moe'] / b:.2f} | {ms(times['sorted'])} | {ms(times['gather']) if 'gather' in times else '-'} | "
+              f"{ms(times['gather_oi']) if 'gather_oi' in times else '-'} | "
+              f"{times['gather_oi'] / a if 'gather_oi' in times else float('nan'):.2f} | "
               f"{ms(times['ragged']) if 'ragged' in times else '-'} |", flush=True)
 
 

@@ -32,9 +32,24 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
   * capacity C = 2 * T*k / E (a power of two, at most T): a balanced batch finishes in one
     round; an unbalanced one pays one more loop per further C rows of its largest group, never
     a dropped token (a `while_loop`, exact).
-Against the bounds (BENCHMARKS.md, "MoE layer"): 1.0-1.8x of reading each touched expert once
-plus the active FLOPs at 16-256 tokens; 2.6x the dense layer of the active width at 1 and 4
-tokens (4 tokens touch 29 of 128 experts, 3.6x the active weights).
+  * the gather path's floor on XLA:CPU is the stacks' layout, not the loop. Over [E, K, N] each row's
+    `w[e]` dynamic slice is copied out (a loop fusion) before the library's dot, so every chosen
+    expert is read, written and read again: 1.6-2.1x the dense active-width layer at 1 token. Stored
+    output-major, [E, N, K] (nn.Linear's per-expert [out, in]), `row @ w[e].T` compiles to one
+    fusion of slice, transpose and vector-matrix dot (each expert read once): 0.8-1.1x of it, in the
+    same runs (bench_moe.py's `gather_oi` column). Not the engine's layout yet: the loader,
+    expert_weights' forms, the TP/EP specs and the Pallas kernel all take [E, K, N], and the sorted
+    path's [C, H] dots run 1.1-1.5x slower over [E, N, K] (16-256 tokens; the gather path over it
+    beats them up to ~16 tokens). Measured and no better over [E, K, N]: gate|up fused into one
+    [E, H, 2I] stack (one copy and dot per row), a 1-D row, `W^T x` order, an unrolled Python loop over
+    the rows, multiply-and-sum in place of the dots (any layout), one gather of all k experts then a
+    batched einsum, a `lax.switch` over E static slices. bfloat16 dots do not apply: the engine's
+    CPU default takes them from 64 tokens up (engine/config.py, bf16_dots_from), float32 below.
+Against the bounds (BENCHMARKS.md, "MoE layer"): 2.1-2.8x of reading each touched expert once plus
+the active FLOPs at 16-256 tokens (1.0-1.8x on a busier machine); 2-3x the dense layer of the active
+width at 1 token. 4 tokens touch 29 of 128 experts, 3.6x the active weights: reading them once at 1
+row alone costs ~2.7x the dense active-width layer, so 1.5x of it there is out of reach for any path
+that reads each touched expert.
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
