@@ -26,6 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gpu_quant import median_seconds  # noqa: E402  (scripts/: the script's own directory)
 from jaxserve.lora import layers  # noqa: E402
 
 LAYER = {"wq": (4096, 4096), "wk": (4096, 1024), "wv": (4096, 1024), "wo": (4096, 4096),
@@ -58,16 +59,6 @@ def deltas(x, x_down, slots, owner, lora, kernel: str):
 
 def base_layer(x, x_down, base):
     return [jnp.dot(x_down if m == "w_down" else x, w) for m, w in base.items()]
-
-
-def median_seconds(fn, args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main() -> int:
