@@ -86,7 +86,7 @@ def test_the_oldest_request_is_in_the_first_step_and_abort() -> None:
 def test_no_starvation_under_a_stream_of_short_requests() -> None:
     """Random lengths arriving every step: each step holds the oldest waiting request."""
     rng, s, n = random.Random(0), _padded(max_num_seqs=16, budget=256), 0
-    for step in range(60):
+    for step in range(120):  # arrivals stop at step 50; the rest drain
         for _ in range(rng.randrange(0, 6) if step < 50 else 0):
             s.add_request(_pooling(f"r{n}", rng.choice([2, 5, 9, 30, 70, 128]), arrival=float(n)))
             n += 1
@@ -183,3 +183,14 @@ def test_a_step_in_flight_does_not_hold_back_the_next() -> None:
     assert [u.request_id for u in s.update(second, _rows(second))] == ["4", "6", "7"]
     assert [u.request_id for u in s.update(third, _rows(third))] == ["8", "9"]
     assert not s.has_unfinished_requests() and s.stats().num_prompt_tokens == sum(range(5, 15))
+
+
+def test_pack_cuts_a_run_to_its_bucket_rather_than_pad_most_rows() -> None:
+    """20 rows would run as a 64-row program (44 padded rows): 16 run now, the oldest among them,
+    and 4 wait; 50 rows (78% of 64) run whole; 2 rows are never cut to 1."""
+    padded = PaddedBatching(seq_buckets=(16, 32), batch_buckets=(1, 4, 16, 64))
+    reqs = [_pooling(str(i), 30 - i) for i in range(20)]  # the oldest is the longest
+    chosen = [r.request_id for r in pack(reqs, 64, 4096, padded)]
+    assert len(chosen) == 16 and "0" in chosen
+    assert len(pack([_pooling(str(i), 8) for i in range(50)], 64, 4096, padded)) == 50
+    assert len(pack([_pooling(str(i), 8) for i in range(2)], 64, 4096, padded)) == 2
