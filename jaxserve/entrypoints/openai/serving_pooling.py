@@ -13,11 +13,11 @@ runner, and on a pooling server the generation routes are.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
 import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -110,13 +110,16 @@ class ServingPooling:
         normalize = self.info.pooler.normalize
 
         def render() -> bytes:
+            # orjson writes the float32 rows straight from numpy (each value's shortest float32 form):
+            # about 10x json.dumps over tolist(), which held the GIL beside the engine's thread.
             data = [{"index": i, "object": "embedding",
-                     "embedding": io.encode_embedding(io.embedding(r, req.dimensions, normalize), req.encoding_format)}
+                     "embedding": io.encode_embedding(io.embedding(r, req.dimensions, normalize), req.encoding_format,
+                                                      as_array=True)}
                     for i, r in enumerate(rows)]
             body = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                     "model": self.engine.model_name, "data": data,
                     "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
-            return json.dumps(body, separators=(",", ":")).encode()
+            return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
         return Response(await asyncio.to_thread(render), media_type="application/json")
 
