@@ -64,7 +64,7 @@ def start_server(model: str, port: int, extra: list[str]) -> subprocess.Popen:
 
 def start_infinity(binary: str, model: str, port: int, batch: int) -> subprocess.Popen:
     return wait_healthy([binary, "v2", "--model-id", model, "--port", str(port), "--engine", "torch", "--device",
-                         "cpu", "--batch-size", str(batch), "--no-model-warmup"], port)
+                         "cpu", "--batch-size", str(batch), "--no-model-warmup", "--no-bettertransformer"], port)
 
 
 def wait_healthy(cmd: list[str], port: int) -> subprocess.Popen:
