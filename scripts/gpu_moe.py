@@ -120,11 +120,12 @@ def kernel_times(args) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.models.expert_weights import PALLAS, PALLAS_INTERPRET, grouped_matmul
+    from jaxserve.models.attention import PALLAS_INTERPRET
+    from jaxserve.models.expert_weights import grouped_matmul
 
     cfg = config(args.model)
     e, k, h, i = cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.hidden_size, cfg.moe.moe_intermediate_size
-    backend = PALLAS_INTERPRET if args.cpu_smoke else PALLAS
+    backend = PALLAS_INTERPRET if args.cpu_smoke else "pallas"
     rng = np.random.default_rng(0)
     out = []
     for num_tokens in args.kernel_tokens:

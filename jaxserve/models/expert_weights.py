@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models.attention import PALLAS_BACKENDS, PALLAS_INTERPRET
 from jaxserve.quantization.mxfp4 import Mxfp4Weight, dequantize_experts
 from jaxserve.quantization.qweight import QuantizedWeight, dequantize
 from pallas_kernels.grouped_matmul import align_block_size, num_row_blocks
@@ -30,8 +31,6 @@ from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmu
 from pallas_kernels.grouped_matmul import supported as pallas_supported
 
 ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight
-PALLAS = "pallas"
-PALLAS_INTERPRET = "pallas-interpret"  # models.attention.PALLAS_INTERPRET (tests only)
 XLA_BLOCK_M = 8  # rows per block of the XLA grouped path (a block's expert is dequantized once)
 
 
@@ -97,7 +96,7 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     num_blocks = num_row_blocks(lhs.shape[0], num_experts(w), XLA_BLOCK_M)  # static
     if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
         w = whole(w, dtype)
-    if backend in (PALLAS, PALLAS_INTERPRET) and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[2]):
+    if backend in PALLAS_BACKENDS and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[2]):
         out = pallas_grouped_matmul(lhs.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32),
                                     interpret=backend == PALLAS_INTERPRET)
         return out.astype(lhs.dtype)

@@ -68,7 +68,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models.expert_weights import (PALLAS, PALLAS_INTERPRET, ExpertWeight, expert_weight, first_leaf,
+from jaxserve.models.attention import PALLAS_BACKENDS
+from jaxserve.models.expert_weights import (ExpertWeight, expert_weight, first_leaf,
                                             grouped_matmul, is_packed)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul
@@ -132,7 +133,7 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig).
     backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
     ids, weights = route(x, router, dots)
-    mesh = _expert_mesh(experts) if expert_parallel or backend in (PALLAS, PALLAS_INTERPRET) else None
+    mesh = _expert_mesh(experts) if expert_parallel or backend in PALLAS_BACKENDS else None
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, dots, backend, mesh)
     if mesh is None or not expert_parallel:
@@ -197,7 +198,7 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots: jnp.dtyp
     """x [T, H], ids [T, k] (an id of E or more: a row nobody computes, output 0) -> [T, k, H].
     The one place the path is chosen (see the module docstring)."""
     num_tokens, k = ids.shape
-    grouped = backend in (PALLAS, PALLAS_INTERPRET)
+    grouped = backend in PALLAS_BACKENDS
     if num_tokens * k <= GATHER_MAX_ROWS and not grouped:
         return _gathered_swiglu(x, ids, experts, dots)
     flat = ids.reshape(-1)  # [T*k]
