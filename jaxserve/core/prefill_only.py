@@ -116,5 +116,5 @@ def _trim_to_bucket(run: list[int], padded: PaddedBatching) -> list[int]:
     keep = max(b for b in padded.batch_buckets if b <= len(run))
     if 4 * len(run) >= 3 * rows or keep == 1:
         return run
-    start = min(run.index(0), len(run) - keep) if 0 in run else 0
+    start = min(run.index(0), len(run) - keep)  # pack's run always holds the oldest
     return run[start:start + keep]

@@ -97,12 +97,12 @@ def probabilities(logits: np.ndarray, activation: bool) -> np.ndarray:
     return (e / e.sum()).astype(np.float32)
 
 
-def encode_embedding(vec: np.ndarray, encoding_format: str, as_array: bool = False) -> list[float] | np.ndarray | str:
-    """base64 of the little-endian float32 bytes, or the floats (`as_array`: a contiguous float32
-    array, for a serializer that writes numpy itself)."""
+def encode_embedding(vec: np.ndarray, encoding_format: str) -> np.ndarray | str:
+    """base64 of the little-endian float32 bytes, or the floats as a contiguous float32 array (the
+    response is written by orjson, which serializes numpy itself)."""
     if encoding_format == "base64":
         return base64.b64encode(vec.astype("<f4").tobytes()).decode("ascii")
-    return np.ascontiguousarray(vec, np.float32) if as_array else vec.tolist()
+    return np.ascontiguousarray(vec, np.float32)
 
 
 def pair_lists(text_1: object, text_2: object) -> tuple[list[str], list[str]]:

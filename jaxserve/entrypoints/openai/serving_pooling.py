@@ -113,8 +113,7 @@ class ServingPooling:
             # orjson writes the float32 rows straight from numpy (each value's shortest float32 form):
             # about 10x json.dumps over tolist(), which held the GIL beside the engine's thread.
             data = [{"index": i, "object": "embedding",
-                     "embedding": io.encode_embedding(io.embedding(r, req.dimensions, normalize), req.encoding_format,
-                                                      as_array=True)}
+                     "embedding": io.encode_embedding(io.embedding(r, req.dimensions, normalize), req.encoding_format)}
                     for i, r in enumerate(rows)]
             body = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
                     "model": self.engine.model_name, "data": data,
