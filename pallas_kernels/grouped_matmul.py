@@ -2,7 +2,8 @@
 
 lhs [M, K] holds the (token, expert) rows sorted by expert: group e is the next
 group_sizes[e] rows (rows past sum(group_sizes) are padding: output 0). rhs
-[E, K, N] stacks the experts' weights.
+[E, N, K] stacks the experts' weights, each [out, in] as nn.Linear stores it
+(out[m] = lhs[m] @ rhs[e].T).
 
 Alignment (vLLM's `moe_align_block_size`, in jnp: `align_block_size`): each
 group is cut into row blocks of `block_m` rows, its last block padded, so
@@ -15,8 +16,9 @@ every row block belongs to exactly one expert:
 The grid is static (Pallas Triton rejects dynamic grids): (row blocks, column
 tiles) with row blocks = cdiv(M, block_m) + min(E, M), a bound on
 sum(cdiv(group_sizes, block_m)); dead blocks (block_rows 0) exit at once. A
-program loads its expert's [K, block_n] weight tile by tile (the expert index
-read from the table, so inactive experts' weights are never read) against its
+program loads its expert's [block_n, K] rows tile by tile (the expert index
+read from the table, so inactive experts' weights are never read) and
+contracts each [block_n, block_k] tile on K (tl.dot, tile transposed) with its
 block_m rows of lhs, accumulating in float32. Rows past a group's end that its
 last block reads belong to the next group (or padding) and are not stored.
 
@@ -94,7 +96,7 @@ def _kernel(
     block_start_ref,  # i32[B]: first lhs row of block b
     block_rows_ref,  # i32[B]: real rows of block b (0: dead)
     lhs_ref,  # [M + block_m, K]: whole (padded so every block's rows are in range)
-    rhs_ref,  # [E, K, N]: whole
+    rhs_ref,  # [E, N, K]: whole
     o_ref,  # [M + block_m, N]: whole; rows stored only by their block
     *,
     block_m: int,
@@ -110,8 +112,8 @@ def _kernel(
     def _():
         def body(i, acc):  # acc f32[block_m, block_n]
             x = lhs_ref[pl.ds(start, block_m), pl.ds(i * block_k, block_k)]  # [block_m, block_k]
-            w = rhs_ref[expert, pl.ds(i * block_k, block_k), cols]  # [block_k, block_n]
-            return acc + lax.dot_general(x, w, (((1,), (0,)), ((), ())), precision=_precision(x),
+            w = rhs_ref[expert, cols, pl.ds(i * block_k, block_k)]  # [block_n, block_k]
+            return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=_precision(x),
                                          preferred_element_type=jnp.float32)
 
         acc = lax.fori_loop(0, num_k, body, jnp.zeros((block_m, block_n), jnp.float32))
@@ -121,7 +123,7 @@ def _kernel(
 
 def _grouped_pallas(lhs, rhs, group_sizes, *, interpret: bool):
     m, k = lhs.shape
-    num_groups, _, n = rhs.shape
+    num_groups, n, _ = rhs.shape
     block_m = max(TUNING["block_m"], 16)
     block_n, block_k = _tile(n, TUNING["block_n"]), _tile(k, TUNING["block_k"])
     table = align_block_size(group_sizes, m, block_m)
@@ -144,9 +146,9 @@ def _grouped_pallas(lhs, rhs, group_sizes, *, interpret: bool):
 
 def _check(lhs, rhs, group_sizes) -> None:
     if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"lhs must be [M, K] and rhs [E, K, N]; got {lhs.shape}, {rhs.shape}")
-    if lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"lhs K={lhs.shape[1]} != rhs K={rhs.shape[1]} (rhs is [E, K, N])")
+        raise ValueError(f"lhs must be [M, K] and rhs [E, N, K]; got {lhs.shape}, {rhs.shape}")
+    if lhs.shape[1] != rhs.shape[2]:
+        raise ValueError(f"lhs K={lhs.shape[1]} != rhs K={rhs.shape[2]} (rhs is [E, N, K])")
     if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise ValueError(f"group_sizes must be an integer array [E={rhs.shape[0]}]; got shape "
                          f"{group_sizes.shape} dtype {group_sizes.dtype}")
@@ -159,23 +161,23 @@ def _check(lhs, rhs, group_sizes) -> None:
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def grouped_matmul(
     lhs: jax.Array,  # [M, K] float, rows sorted by group
-    rhs: jax.Array,  # [E, K, N] float
+    rhs: jax.Array,  # [E, N, K] float
     group_sizes: jax.Array,  # i32[E], sum <= M
     *,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N] in lhs.dtype; rows past sum(group_sizes) are 0
     """Pallas (Triton) grouped matmul; same semantics as `grouped_matmul_reference`."""
     _check(lhs, rhs, group_sizes)
-    if not supported(lhs.shape[1], rhs.shape[2]):
+    if not supported(lhs.shape[1], rhs.shape[1]):
         raise ValueError(f"the Pallas kernel needs K and N multiples of 16; got K={lhs.shape[1]}, "
-                         f"N={rhs.shape[2]} (use grouped_matmul_reference)")
+                         f"N={rhs.shape[1]} (use grouped_matmul_reference)")
     return _grouped_pallas(lhs, rhs, group_sizes, interpret=interpret)
 
 
 @jax.jit
 def grouped_matmul_reference(
     lhs: jax.Array,  # [M, K] float, rows sorted by group
-    rhs: jax.Array,  # [E, K, N] float
+    rhs: jax.Array,  # [E, N, K] float
     group_sizes: jax.Array,  # i32[E], sum <= M
 ) -> jax.Array:  # [M, N] in lhs.dtype; rows past sum(group_sizes) are 0
     """Pure jnp: each row times its group's weight, in float32 (a test oracle: it gathers an
@@ -184,7 +186,7 @@ def grouped_matmul_reference(
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     row = jnp.arange(lhs.shape[0], dtype=jnp.int32)
     group = jnp.clip(jnp.searchsorted(jnp.cumsum(gs), row, side="right"), 0, rhs.shape[0] - 1)
-    out = jnp.einsum("mk,mkn->mn", lhs.astype(jnp.float32), rhs[group].astype(jnp.float32),
+    out = jnp.einsum("mk,mnk->mn", lhs.astype(jnp.float32), rhs[group].astype(jnp.float32),
                      precision=lax.Precision.HIGHEST)
     return jnp.where((row < gs.sum())[:, None], out, 0.0).astype(lhs.dtype)
 

@@ -32,7 +32,7 @@ def expert_bytes_per_device(engine) -> dict[int, int]:
 
 
 def expert_spec(engine) -> str:
-    """The PartitionSpec of the first stage's we_gate [L, E, H, I] (packed: of its first array)."""
+    """The PartitionSpec of the first stage's we_gate [L, E, I, H] (packed: of its first array)."""
     tree = engine.pipeline.params[0] if engine.pipeline is not None else engine.model.params
     return str(tuple(getattr(jax.tree.leaves(tree["layers"]["we_gate"])[0].sharding, "spec", ())))
 

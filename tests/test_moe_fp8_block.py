@@ -89,14 +89,14 @@ def test_experts_stay_fp8_and_tokens_equal_transformers(checkpoint):
     layers = engine.model.params["layers"]
     we_gate, we_down = layers["we_gate"], layers["we_down"]
     assert isinstance(we_gate, QuantizedWeight) and we_gate.scheme == "fp8_block"
-    assert we_gate.values.dtype == jnp.float8_e4m3fn and we_gate.values.shape == (3, 8, 128, 64)
-    assert we_gate.scales.shape == (3, 8, 4, 2) and we_down.values.shape == (3, 8, 64, 128)
+    assert we_gate.values.dtype == jnp.float8_e4m3fn and we_gate.values.shape == (3, 8, 64, 128)  # [L, E, I, H]
+    assert we_gate.scales.shape == (3, 8, 2, 4) and we_down.values.shape == (3, 8, 128, 64)
     assert isinstance(layers["w_gate"], QuantizedWeight)  # the dense layer's MLP too (zeros in sparse layers)
     hf = ref.model.layers[2].mlp.experts  # the loaded experts are transformers' dequantized ones
-    np.testing.assert_array_equal(dense_weight(we_down)[2], hf.down_proj.detach().numpy().transpose(0, 2, 1))
-    hf_gate = hf.gate_up_proj.detach().numpy()[:, :64].transpose(0, 2, 1)
+    np.testing.assert_array_equal(dense_weight(we_down)[2], hf.down_proj.detach().numpy())
+    hf_gate = hf.gate_up_proj.detach().numpy()[:, :64]
     np.testing.assert_array_equal(dense_weight(we_gate)[0], ref.model.layers[0].mlp.experts.gate_up_proj.detach()
-                                  .numpy()[:, :64].transpose(0, 2, 1))
+                                  .numpy()[:, :64])
     np.testing.assert_array_equal(dense_weight(we_gate)[2], hf_gate)
     engine.shutdown()
 
@@ -138,5 +138,5 @@ def test_tensor_parallel_2_tokens_equal_transformers(checkpoint):
     assert [r["mode"] for r in results] == ["tp", "ep"]
     for got in results:
         assert got["tokens"] == want
-        split = "None, 'model', None, None" if got["mode"] == "ep" else "None, None, None, 'model'"
+        split = "None, 'model', None, None" if got["mode"] == "ep" else "None, None, 'model'"
         assert split in got["spec"] and split in got["scales_spec"], got

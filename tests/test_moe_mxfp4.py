@@ -24,7 +24,7 @@ E, H, I = 8, 64, 32
 
 
 def packed(rng, k: int, n: int) -> Mxfp4Weight:
-    """A random [E, K, N] stack as the hub packs it (scales near 2^0)."""
+    """A random [E, N, K] stack as the hub packs it (scales near 2^0)."""
     blocks = rng.integers(0, 256, (E, n, k // 32, 16), dtype=np.uint8)
     scales = rng.integers(122, 128, (E, n, k // 32), dtype=np.uint8)
     return Mxfp4Weight(jnp.asarray(blocks), jnp.asarray(scales))
@@ -54,7 +54,7 @@ def test_mxfp4_experts_equal_the_dequantized_bf16_ones(num_tokens, backend):
 def test_only_the_asked_experts_are_unpacked():
     ex, dense, _, _ = experts_and_router()
     ids = jnp.asarray([5, 2, 5], jnp.int32)
-    got = take_experts(ex.w_down, ids, jnp.bfloat16)  # [3, I, H]
+    got = take_experts(ex.w_down, ids, jnp.bfloat16)  # [3, H, I]
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(dense.w_down, np.float32)[[5, 2, 5]])
 
 

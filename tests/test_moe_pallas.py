@@ -94,12 +94,12 @@ for ep in (True, False):
 # the same shard_maps in interpret mode, against the unsplit XLA block
 rng = np.random.default_rng(0)
 w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)
-ex = moe.Experts(w(8, 64, 32), w(8, 64, 32), w(8, 32, 64))
+ex = moe.Experts(w(8, 32, 64), w(8, 32, 64), w(8, 64, 32))  # [E, out, in]
 router = moe.Router(w(64, 8), None, top_k=2)
 x = jnp.asarray(rng.standard_normal((6, 64)), jnp.float32)
 want = moe.moe(x, router, ex)
 run = jax.jit(moe.moe, static_argnames=("expert_parallel", "backend"))
-for ep, specs in ((True, (P("model"),) * 3), (False, (P(None, None, "model"),) * 2 + (P(None, "model", None),))):
+for ep, specs in ((True, (P("model"),) * 3), (False, (P(None, "model", None),) * 2 + (P(None, None, "model"),))):
     split = moe.Experts(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((ex.w_gate, ex.w_up, ex.w_down), specs)))
     got = run(x, router, split, expert_parallel=ep, backend=PALLAS_INTERPRET)
     print("INTERPRET", "ep" if ep else "tp", float(jnp.max(jnp.abs(got - want))))
@@ -108,7 +108,7 @@ from jaxserve.models.gpt_oss import ClampedSwiGLU
 biased = moe.Experts(ex.w_gate, ex.w_up, ex.w_down, w(8, 32, 32)[:, 0], w(8, 32, 32)[:, 1], w(8, 64, 64)[:, 0],
                      ClampedSwiGLU(1.702, 7.0))
 want = moe.moe(x, router, biased)
-for ep, specs in ((True, (P("model"),) * 6), (False, (P(None, None, "model"),) * 2 + (P(None, "model", None),)
+for ep, specs in ((True, (P("model"),) * 6), (False, (P(None, "model", None),) * 2 + (P(None, None, "model"),)
                                                       + (P(None, "model"),) * 2 + (P(),))):
     leaves = (biased.w_gate, biased.w_up, biased.w_down, biased.b_gate, biased.b_up, biased.b_down)
     split = moe.Experts(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(leaves, specs)), biased.activation)
@@ -162,7 +162,8 @@ def _greedy(backend: str, monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(llm_engine, "resolve_backend", lambda name: backend)
     llm = LLM(_random_model(CFG), progress=False, dtype="float32", max_num_seqs=2, max_num_batched_tokens=16,
-              max_model_len=64, num_gpu_blocks_override=32, enable_prefix_caching=False, compilation_cache_dir="")
+              max_model_len=64, num_gpu_blocks_override=32, enable_prefix_caching=False, compilation_cache_dir="",
+              kv_cache_dtype="auto", block_size=16, speculative_config={})  # the exact float32 flags
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(0, CFG.vocab_size, n).tolist()} for n in (3, 11)]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
@@ -184,7 +185,7 @@ def test_grouped_swiglu_equals_the_xla_paths(num_tokens):
 
     rng = np.random.default_rng(num_tokens)
     w = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)  # noqa: E731
-    ex = moe.Experts(w(8, 64, 32), w(8, 64, 32), w(8, 32, 64))
+    ex = moe.Experts(w(8, 32, 64), w(8, 32, 64), w(8, 64, 32))  # [E, out, in]
     x = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, 9, (num_tokens, 2)), jnp.int32)  # 8: not computed
     want = moe.expert_swiglu(x, ids, ex)
@@ -200,10 +201,10 @@ def test_fp8_block_experts_lower_for_cuda():
     shapes = llama.param_shapes(CFG)
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), shapes, is_leaf=lambda x: isinstance(x, tuple))
     for leaf in ("we_gate", "we_up", "we_down"):
-        *lead, k, n = shapes["layers"][leaf]
+        *lead, n, k = shapes["layers"][leaf]  # [L, E, out, in]
         params["layers"][leaf] = QuantizedWeight(
-            jax.ShapeDtypeStruct((*lead, k, n), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct((*lead, -(-k // 32), -(-n // 32)), jnp.float32),
+            jax.ShapeDtypeStruct((*lead, n, k), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((*lead, -(-n // 32), -(-k // 32)), jnp.float32),
             scheme="fp8_block", group_size=32, block_cols=32)
     text = _export(CFG, params)
     assert "paged_attention_decode" in text and "f8E4M3FN" in text

@@ -74,7 +74,7 @@ def test_parallel_greedy_equals_transformers(checkpoints, multi_device, case):
     sizes = set(r["expert_bytes"].values())
     if "tp2" in case:  # every device holds half of each stage's expert weights, split on E with EP
         assert len(sizes) <= 2 and len(r["expert_bytes"]) == (4 if "pp2" in case else 2)
-        assert r["expert_spec"].startswith("(None, 'model'" if case.endswith("/ep") else "(None, None, None, 'model'")
+        assert r["expert_spec"].startswith("(None, 'model'" if case.endswith("/ep") else "(None, None, 'model'")
 
 
 def test_served_over_http_with_no_compilation_after_warmup(checkpoints, engines):

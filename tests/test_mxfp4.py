@@ -1,6 +1,6 @@
 """MXFP4 experts (gpt-oss's hub layout): the packed Mxfp4Weight against transformers' own
-dequantization (integrations.mxfp4.convert_moe_packed_tensors), the grouped matmul that unpacks only
-the touched experts, the device bytes (<= 0.3x bfloat16) and the hub tensors' checks."""
+dequantization (integrations.mxfp4.convert_moe_packed_tensors), the grouped matmul (models/expert_weights.py)
+that unpacks only the touched experts, the device bytes (<= 0.3x bfloat16) and the hub tensors' checks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ mxfp4_hf = pytest.importorskip("transformers.integrations.mxfp4")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jaxserve.models.expert_weights import grouped_matmul  # noqa: E402
 from jaxserve.quantization import mxfp4  # noqa: E402
 
 
@@ -27,16 +28,16 @@ def hub_tensors(rng, experts: int, n: int, k: int):
 
 
 def reference(blocks, scales) -> np.ndarray:
-    """transformers' dequantized [E, K, N] float32 weight."""
-    return mxfp4_hf.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
-                                               dtype=torch.float32).numpy()
+    """transformers' dequantized float32 weight, transposed to our output-major [E, N, K]."""
+    return np.swapaxes(mxfp4_hf.convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                           dtype=torch.float32).numpy(), 1, 2)
 
 
 def test_dequantize_equals_transformers():
     blocks, scales = hub_tensors(np.random.default_rng(0), 4, 48, 128)
     w = jax.tree.map(jnp.asarray, mxfp4.from_hub(blocks, scales))
     want = reference(blocks, scales)
-    assert w.shape == want.shape == (4, 128, 48)
+    assert w.shape == want.shape == (4, 48, 128)
     np.testing.assert_array_equal(np.asarray(mxfp4.dequantize(w)), want)
     ids = jnp.asarray([3, 0, 3], jnp.int32)
     np.testing.assert_array_equal(np.asarray(mxfp4.dequantize_experts(w, ids, jnp.float32)), want[[3, 0, 3]])
@@ -51,11 +52,11 @@ def test_grouped_matmul_matches_the_dequantized_experts(sizes, m):
     scales = np.minimum(scales, 131).astype(np.uint8)
     w = jax.tree.map(jnp.asarray, mxfp4.from_hub(blocks, scales))
     x = rng.standard_normal((m, 96)).astype(np.float32)
-    got = np.asarray(mxfp4.grouped_matmul_mxfp4(jnp.asarray(x), w, jnp.asarray(sizes, jnp.int32)))
+    got = np.asarray(grouped_matmul(jnp.asarray(x), w, jnp.asarray(sizes, jnp.int32)))
     dense = reference(blocks, scales).astype(np.float64)
     group = np.repeat(np.arange(len(sizes)), sizes)
     want = np.zeros((m, 64))
-    want[:len(group)] = np.einsum("mk,mkn->mn", x[:len(group)].astype(np.float64), dense[group])
+    want[:len(group)] = np.einsum("mk,mnk->mn", x[:len(group)].astype(np.float64), dense[group])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert np.all(got[len(group):] == 0)
 
@@ -74,9 +75,6 @@ def test_hub_tensor_checks():
         mxfp4.from_hub(blocks.astype(np.int32), scales)
     with pytest.raises(ValueError, match=r"\[E, N, K / 32, 16\]"):
         mxfp4.from_hub(blocks[..., :8], scales)
-    with pytest.raises(ValueError, match="group_sizes"):
-        mxfp4.grouped_matmul_mxfp4(jnp.zeros((4, 64)), jax.tree.map(jnp.asarray, mxfp4.from_hub(blocks, scales)),
-                                   jnp.zeros(3, jnp.int32))
 
 
 def test_the_hub_config_is_detected():

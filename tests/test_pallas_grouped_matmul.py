@@ -24,7 +24,7 @@ def test_align_block_size_gives_each_block_one_expert():
 def _case(rng, sizes, m, k, n, dtype):
     sizes = np.asarray(sizes, np.int32)
     lhs = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    rhs = jnp.asarray(rng.standard_normal((len(sizes), k, n)) * 0.1, dtype)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), n, k)) * 0.1, dtype)  # [E, N, K]
     return lhs, rhs, jnp.asarray(sizes)
 
 
@@ -46,7 +46,7 @@ def test_kernel_matches_reference_and_ragged_dot(sizes, m, k, n, dtype):
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
-    ragged = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs,
+    ragged = jax.lax.ragged_dot(lhs.astype(jnp.float32), jnp.swapaxes(rhs, 1, 2).astype(jnp.float32), gs,
                                 precision=jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(want, np.float32), np.asarray(ragged), rtol=tol, atol=tol)
     assert np.all(np.asarray(got, np.float32)[int(np.sum(sizes)):] == 0)
@@ -61,7 +61,7 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="K=32"):
         grouped_matmul(lhs[:, :32], rhs, gs)
     with pytest.raises(ValueError, match="multiples of 16"):
-        grouped_matmul(lhs[:, :40], rhs[:, :40], gs)
+        grouped_matmul(lhs[:, :40], rhs[:, :, :40], gs)
 
 
 @pytest.mark.parametrize("m,k,n", [(8 * 8, 2048, 1536), (64 * 8, 768, 2048)])  # top-8 of 128: gate_up, down
@@ -69,5 +69,5 @@ def test_kernel_lowers_to_triton(m, k, n):
     sds = jax.ShapeDtypeStruct
     exp = export.export(jax.jit(grouped_matmul), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-                        )(sds((m, k), jnp.bfloat16), sds((128, k, n), jnp.bfloat16), sds((128,), jnp.int32))
+                        )(sds((m, k), jnp.bfloat16), sds((128, n, k), jnp.bfloat16), sds((128,), jnp.int32))
     assert "xla.gpu.triton" in exp.mlir_module()

@@ -1,7 +1,10 @@
-"""One expert projection stack [E, K, N] in any of its stored forms, and the grouped matmuls over it.
+"""One expert projection stack [E, N, K] in any of its stored forms, and the grouped matmuls over it.
 
-    float            jax.Array [E, K, N]
-    fp8_block        QuantizedWeight: values e4m3 [E, K, N], scales f32 [E, cdiv(K, bk), cdiv(N, bn)]
+Every form is output-major, each expert [out, in] as nn.Linear and the hub store it: contracting
+the last axis (x @ w.T) lets XLA:CPU read an expert inside the dot's own loop (models/moe.py).
+
+    float            jax.Array [E, N, K]
+    fp8_block        QuantizedWeight: values e4m3 [E, N, K], scales f32 [E, cdiv(N, bn), cdiv(K, bk)]
                      (block-wise FP8 checkpoints: Qwen3-*-FP8, transformers' FineGrainedFP8)
     mxfp4            Mxfp4Weight: blocks u8 [E, N, K / 32, 16], scales u8 [E, N, K / 32] (gpt-oss)
 
@@ -9,7 +12,7 @@ The packed forms stay packed in device memory; every reader here dequantizes onl
 it is asked for (`expert_weight`: one, `take_experts`: a list), inside the program, so a step
 reads the packed bytes of the experts it touches and nothing else.
 
-    grouped_matmul(lhs, w, sizes, backend)   rows sorted by expert [M, K] -> [M, N]
+    grouped_matmul(lhs, w, sizes, backend)   rows sorted by expert [M, K] . w [E, N, K] -> [M, N]
       float w, Pallas backend, K and N multiples of 16
                      pallas_kernels.grouped_matmul (Triton on GPU; interpret mode in tests)
       otherwise      the kernel's alignment in XLA: the rows cut into B = cdiv(M, bm) + min(E, M)
@@ -55,19 +58,19 @@ def is_packed(w: ExpertWeight) -> bool:
 
 
 def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Expert e (a traced scalar) of the stack -> [K, N] in `dtype` (a float stack: its own dtype
+    """Expert e (a traced scalar) of the stack -> [N, K] in `dtype` (a float stack: its own dtype
     unless asked otherwise); only that expert's bytes are read."""
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, jnp.reshape(e, (1,)), dtype)[0]
     if isinstance(w, QuantizedWeight):
         check_expert_weight(w)
-        one = jax.tree.map(lambda a: a[e], w)  # values [K, N], scales [Gk, Gn]
+        one = jax.tree.map(lambda a: a[e], w)  # values [N, K], scales [Gn, Gk]
         return dequantize(one, dtype)
     return w[e]
 
 
 def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Experts `expert_ids` (i32[B], clipped into range) -> [B, K, N] in `dtype`."""
+    """Experts `expert_ids` (i32[B], clipped into range) -> [B, N, K] in `dtype`."""
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, expert_ids, dtype)
     ids = jnp.clip(expert_ids.astype(jnp.int32), 0, num_experts(w) - 1)
@@ -78,7 +81,7 @@ def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> ja
 
 
 def whole(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
-    """The whole stack [E, K, N] in `dtype`."""
+    """The whole stack [E, N, K] in `dtype`."""
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, jnp.arange(num_experts(w)), dtype)
     if isinstance(w, QuantizedWeight):
@@ -96,7 +99,7 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     num_blocks = num_row_blocks(lhs.shape[0], num_experts(w), XLA_BLOCK_M)  # static
     if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
         w = whole(w, dtype)
-    if backend in PALLAS_BACKENDS and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[2]):
+    if backend in PALLAS_BACKENDS and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[1]):
         out = pallas_grouped_matmul(lhs.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32),
                                     interpret=backend == PALLAS_INTERPRET)
         return out.astype(lhs.dtype)
@@ -109,7 +112,7 @@ def _blocked(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, dtype: jnp
     offs = jnp.arange(XLA_BLOCK_M, dtype=jnp.int32)
     row_ids = start[:, None] + offs  # [B, bm]
     x = jnp.take(lhs, jnp.clip(row_ids, 0, m - 1), axis=0).astype(dtype)  # [B, bm, K]
-    out = jnp.einsum("bmk,bkn->bmn", x, take_experts(w, expert, dtype), preferred_element_type=jnp.float32)
+    out = jnp.einsum("bmk,bnk->bmn", x, take_experts(w, expert, dtype), preferred_element_type=jnp.float32)
     dest = jnp.where(offs < rows[:, None], row_ids, m).reshape(-1)  # rows not stored go out of range
     result = jnp.zeros((m, out.shape[-1]), lhs.dtype)
     return result.at[dest].set(out.reshape(-1, out.shape[-1]).astype(lhs.dtype), mode="drop")

@@ -21,9 +21,11 @@ Checkpoint layout (transformers' save_pretrained; the experts stored fused, [in,
 Leaves (on top of llama.attention_shapes: bq/bk/bv, plus bo, sinks, sliding):
 
     router [L, H, E]  router_bias [L, E]
-    we_gate, we_up [L, E, H, I]  we_down [L, E, I, H]  be_gate, be_up [L, E, I]  be_down [L, E, H]
+    we_gate, we_up [L, E, I, H]  we_down [L, E, H, I]  be_gate, be_up [L, E, I]  be_down [L, E, H]
 
-The interleaved gate/up columns are split into we_gate / we_up at load, so tensor parallelism
+The experts are stored output-major as every family's (models/expert_weights.py: the bf16 tensors
+transposed at load, the mxfp4 ones are so already). The interleaved gate/up columns are split into
+we_gate / we_up at load, so tensor parallelism
 splits I as for every MoE family (moe_layers.py) and expert parallelism splits E.
 """
 
@@ -78,7 +80,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
     L, H, E, I = cfg.num_layers, cfg.hidden_size, m.num_experts, m.moe_intermediate_size
     shapes = attention_shapes(cfg)
     shapes["layers"].update(bo=(L, H), sinks=(L, cfg.num_heads), router=(L, H, E), router_bias=(L, E),
-                            we_gate=(L, E, H, I), we_up=(L, E, H, I), we_down=(L, E, I, H),
+                            we_gate=(L, E, I, H), we_up=(L, E, I, H), we_down=(L, E, H, I),
                             be_gate=(L, E, I), be_up=(L, E, I), be_down=(L, E, H))
     return shapes
 
@@ -118,7 +120,10 @@ def layer_tensors(cfg: ModelConfig) -> dict:
                 blocks = np.asarray(get(base + "_blocks"))
             except KeyError:
                 arr = np.asarray(get(base))
-                return arr if columns is None else arr[..., columns]  # de-interleave gate (even) / up (odd)
+                if arr.ndim == 3:  # a weight [E, in, out] -> [E, out, in]
+                    arr = np.swapaxes(arr, 1, 2)
+                    return arr if columns is None else arr[:, columns]  # de-interleave gate (even) / up (odd)
+                return arr if columns is None else arr[..., columns]  # a bias [E, out]
             scales = np.asarray(get(base + "_scales"))
             return from_hub(*((blocks, scales) if columns is None else (blocks[:, columns], scales[:, columns])))
         return read

@@ -1,55 +1,49 @@
 """The Mixture-of-Experts block: route each token to its top-k experts, run only those rows.
 
     x [T, H] --router--> ids [T, k] i32, weights [T, k] f32
-      T*k <= GATHER_MAX_ROWS   gather: each (token, choice) row multiplies its own expert's
-                               weights, gathered by id: only touched experts are ever read
-      otherwise                sort: the T*k rows sorted by expert (group_sizes [E]); a batched
-                               SwiGLU over E x capacity C slots, in rounds of C rows per expert
-                               until the largest group is done (nothing is dropped)
+      T*k <= E     gather: each (token, choice) row times its own expert's weights (a loop over
+                   the rows): only touched experts are ever read
+      otherwise    batched: the T*k rows sorted by expert (group_sizes [E]); every expert's first
+                   C rows in one pass of three batched dots over all the stacks; the rows of a
+                   group larger than C go through a loop over the experts that still have rows
+                   (nothing is dropped)
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
-`expert_swiglu` is the one place the path is chosen. With the Pallas backend (GPU: the step's
-`backend`, as attention's) every size takes the grouped path instead: the T*k rows sorted by
-expert, then gate, up and down as three grouped matmuls (expert_weights.grouped_matmul: the
-Pallas Triton kernel pallas_kernels/grouped_matmul.py, lhs [M, K] sorted by group, rhs
-[E, K, N], group_sizes [E] -> [M, N]; a static grid of cdiv(M, 16) + min(E, M) row blocks, one
-expert each, so its cost follows the touched experts). The gather and sorted paths below are
-lax.map loops of small dots: right for XLA:CPU, a sequence of tiny kernels on a GPU.
+Every expert stack is output-major, [E, N, K] (each expert [out, in], as nn.Linear and the hub
+store it; expert_weights.py), in every form. `expert_swiglu` is the one place the path is
+chosen. With the Pallas backend (GPU: the step's `backend`, as attention's) every size takes the
+grouped path instead: the T*k rows sorted by expert, then gate, up and down as three grouped
+matmuls (expert_weights.grouped_matmul: the Pallas Triton kernel pallas_kernels/grouped_matmul.py,
+lhs [M, K] sorted by group, rhs [E, N, K], group_sizes [E] -> [M, N]; a static grid of
+cdiv(M, 16) + min(E, M) row blocks, one expert each, so its cost follows the touched experts).
 
 Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight):
-every path dequantizes only the experts it multiplies by, inside the program.
+the gather path dequantizes only the experts it multiplies by, the batched one (most experts
+touched) the whole stack, inside the program. The experts run in their weights' dtype: the CPU
+default's bfloat16 dots from 64 tokens (engine/config.py, bf16_dots_from) reach the router only;
+casting float32 stacks each step cost more than the dots saved (43 against 18 ms at 64 tokens).
 
-Why these paths (XLA:CPU, jax 0.10, a shared 2-core Xeon, scripts/bench_moe.py: 128 experts of
+Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
-  * `jax.lax.ragged_dot` is lowered on the CPU as a masked dense product per expert over all rows:
-    7.9 s at 256 tokens against 0.16 s for the sorted path, 250x slower at 1 token. Not used.
-  * one batched dot over [E, C, H] x [E, H, I] (capacity buffers) ran 3-6x slower than a loop of
-    per-expert dots here (XLA:CPU's batched dot does not tile well at small C), so each path is a
-    `lax.map` of plain 2D dots: over the T*k rows (gather) or over the experts (sorted), with a
-    `lax.cond` skipping an expert that has no rows (its weights are never read).
-  * the gather path reads only the chosen experts (1.4 ms at 1 token, 6 ms at 4; the sorted
-    path's loop over all experts cost 1.2 and 20 ms there), so T*k <= 32 rows take it.
-  * capacity C = 2 * T*k / E (a power of two, at most T): a balanced batch finishes in one
-    round; an unbalanced one pays one more loop per further C rows of its largest group, never
-    a dropped token (a `while_loop`, exact).
-  * the gather path's floor on XLA:CPU is the stacks' layout, not the loop. Over [E, K, N] each row's
-    `w[e]` dynamic slice is copied out (a loop fusion) before the library's dot, so every chosen
-    expert is read, written and read again: 1.6-2.1x the dense active-width layer at 1 token. Stored
-    output-major, [E, N, K] (nn.Linear's per-expert [out, in]), `row @ w[e].T` compiles to one
-    fusion of slice, transpose and vector-matrix dot (each expert read once): 0.8-1.1x of it, in the
-    same runs (bench_moe.py's `gather_oi` column). Not the engine's layout yet: the loader,
-    expert_weights' forms, the TP/EP specs and the Pallas kernel all take [E, K, N], and the sorted
-    path's [C, H] dots run 1.1-1.5x slower over [E, N, K] (16-256 tokens; the gather path over it
-    beats them up to ~16 tokens). Measured and no better over [E, K, N]: gate|up fused into one
-    [E, H, 2I] stack (one copy and dot per row), a 1-D row, `W^T x` order, an unrolled Python loop over
-    the rows, multiply-and-sum in place of the dots (any layout), one gather of all k experts then a
-    batched einsum, a `lax.switch` over E static slices. bfloat16 dots do not apply: the engine's
-    CPU default takes them from 64 tokens up (engine/config.py, bf16_dots_from), float32 below.
-Against the bounds (BENCHMARKS.md, "MoE layer"): 2.1-2.8x of reading each touched expert once plus
-the active FLOPs at 16-256 tokens (1.0-1.8x on a busier machine); 2-3x the dense layer of the active
-width at 1 token. 4 tokens touch 29 of 128 experts, 3.6x the active weights: reading them once at 1
-row alone costs ~2.7x the dense active-width layer, so 1.5x of it there is out of reach for any path
-that reads each touched expert.
+  * the layout. Over [E, K, N] stacks XLA:CPU copies each row's `w[e]` out before the library's
+    dot (read, write, read again): the gather path ran 2.1-2.3x the dense layer of the active
+    width at 1 token. Over [E, N, K], `row @ w[e].T` is one fusion of slice, transpose and
+    vector-matrix product reading the expert once: 1.0-1.1x. Written as a dot_general contracting
+    w's last axis it is not fused (1.6-1.9x slower): `_swiglu` keeps the transpose.
+  * `jax.lax.ragged_dot` is lowered on the CPU as a masked dense product per expert over all rows
+    (100x the gather path at 1 token, 30x the batched one at 256). Not used.
+  * batched dots over the stacks (w [E, N, K] . x [E, C, K] -> [E, N, C]) beat a loop of per-expert
+    dots 1.5-3x at every C, the activations kept [E, I, C] between them. Asking XLA for the result
+    as [E, C, N] directly (or transposing it without the optimization barrier) made it transpose
+    the weight stacks instead: 9x slower.
+  * C = mean + 2 sigma of a uniform routing's group size (4 slots at 16-32 tokens, 8 at 64, 24 at
+    256): beside 4 sigma, the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms
+    at 64 tokens, 30.4 against 38.3 at 256).
+  * the gather path reads k experts per row, the batched one every expert: gather while
+    T*k <= E (at 16 tokens: 10.5 against 13.4 ms; at 32, 19.5 against 15.1).
+  * the floor at 64+ tokens: the batched dots run on one core (XLA:CPU splits a large 2D dot
+    over the cores, not a batched one) while the bound's dense product uses both.
+Against the bounds (BENCHMARKS.md, "MoE layer"): BOUNDS.
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
@@ -61,6 +55,7 @@ expert's intermediate axis (`_intermediate_split`): XLA cannot partition a Palla
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -70,11 +65,11 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.attention import PALLAS_BACKENDS
 from jaxserve.models.expert_weights import (ExpertWeight, expert_weight, first_leaf,
-                                            grouped_matmul, is_packed)
+                                            grouped_matmul, is_packed, whole)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul
 
-GATHER_MAX_ROWS = 32  # T * k at or below which the gather path runs (decode of a few sequences)
+SLOT_SIGMAS = 2.0  # the batched pass's slots per expert: the mean share + this many standard deviations
 MODEL_AXIS = "model"
 
 
@@ -84,9 +79,9 @@ class Experts:
     """The stacked weights of E experts (SwiGLU), as one layer sees them (float, or packed:
     expert_weights.py); a family's variations are optional biases and its own gated activation
     (gpt-oss: both)."""
-    w_gate: ExpertWeight  # [E, H, I]
-    w_up: ExpertWeight  # [E, H, I]
-    w_down: ExpertWeight  # [E, I, H]
+    w_gate: ExpertWeight  # [E, I, H]: each expert [out, in], as nn.Linear (and the hub) store it
+    w_up: ExpertWeight  # [E, I, H]
+    w_down: ExpertWeight  # [E, H, I]
     b_gate: jax.Array | None = None  # [E, I]
     b_up: jax.Array | None = None  # [E, I]
     b_down: jax.Array | None = None  # [E, H]
@@ -132,18 +127,18 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     """x [T, H] -> [T, H]: each token through its top-k experts, weighted by the router.
     expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig).
     backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
-    ids, weights = route(x, router, dots)
+    ids, weights = route(x, router, dots)  # the experts run in their weights' dtype (module docstring)
     mesh = _expert_mesh(experts) if expert_parallel or backend in PALLAS_BACKENDS else None
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
-        return _intermediate_split(x, ids, weights, experts, dots, backend, mesh)
+        return _intermediate_split(x, ids, weights, experts, backend, mesh)
     if mesh is None or not expert_parallel:
-        return _combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype)
+        return _combine(expert_swiglu(x, ids, experts, backend), weights, x.dtype)
 
     def shard(x, ids, weights, experts):  # experts: this device's E / n of them
         local = experts.num_experts
         ids = ids - jax.lax.axis_index(MODEL_AXIS) * local
         mine = (ids >= 0) & (ids < local)
-        y = expert_swiglu(x, jnp.where(mine, ids, local), experts, dots, backend)  # id `local`: not computed
+        y = expert_swiglu(x, jnp.where(mine, ids, local), experts, backend)  # id `local`: not computed
         return jax.lax.psum(_combine(y, jnp.where(mine, weights, 0.0), x.dtype), MODEL_AXIS)
 
     spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones, biases too) is [E, ...]
@@ -155,10 +150,10 @@ def _kernel_on_slices(experts: Experts, mesh) -> bool:
     """Whether the Pallas kernel runs on each device's intermediate slice: float stacks whose I
     divides over the model axis (packed ones take the XLA blocked path, which XLA partitions; an
     I that does not divide is replicated, nothing to gather)."""
-    return not is_packed(experts.w_gate) and experts.w_gate.shape[-1] % dict(mesh.shape)[MODEL_AXIS] == 0
+    return not is_packed(experts.w_gate) and experts.w_gate.shape[1] % dict(mesh.shape)[MODEL_AXIS] == 0
 
 
-def _intermediate_split(x, ids, weights, experts: Experts, dots, backend: str, mesh) -> jax.Array:
+def _intermediate_split(x, ids, weights, experts: Experts, backend: str, mesh) -> jax.Array:
     """Tensor parallelism without expert parallelism, on the Pallas backend (float stacks): each
     device runs the grouped matmuls on its slice of every expert's intermediate axis (gate/up
     columns, down rows: moe_layers.moe_partition_rules' placement) inside a shard_map -- a Pallas kernel has no partitioning rule, so
@@ -166,11 +161,11 @@ def _intermediate_split(x, ids, weights, experts: Experts, dots, backend: str, m
     down projections, as a dense MLP's all-reduce."""
     b_down, experts = experts.b_down, replace(experts, b_down=None)  # added once, after the psum
     column = P(None, MODEL_AXIS) if experts.b_gate is not None else None  # gate/up biases split as their columns
-    specs = Experts(P(None, None, MODEL_AXIS), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS, None),  # moe_layers' plan
+    specs = Experts(P(None, MODEL_AXIS, None), P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS),  # moe_layers' plan
                     column, column, None, experts.activation)
 
     def shard(x, ids, weights, experts):
-        return jax.lax.psum(_combine(expert_swiglu(x, ids, experts, dots, backend), weights, x.dtype), MODEL_AXIS)
+        return jax.lax.psum(_combine(expert_swiglu(x, ids, experts, backend), weights, x.dtype), MODEL_AXIS)
 
     out = jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), specs), out_specs=P(),
                         check_vma=False)(x, ids, weights, experts)
@@ -193,44 +188,60 @@ def _expert_mesh(experts: Experts):
     return mesh
 
 
-def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots: jnp.dtype | None = None,
-                  backend: str = "xla") -> jax.Array:
+def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str = "xla") -> jax.Array:
     """x [T, H], ids [T, k] (an id of E or more: a row nobody computes, output 0) -> [T, k, H].
     The one place the path is chosen (see the module docstring)."""
     num_tokens, k = ids.shape
     grouped = backend in PALLAS_BACKENDS
-    if num_tokens * k <= GATHER_MAX_ROWS and not grouped:
-        return _gathered_swiglu(x, ids, experts, dots)
+    if num_tokens * k <= experts.num_experts and not grouped:  # fewer rows than experts: gather
+        return _gathered_swiglu(x, ids, experts)
     flat = ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
-    swiglu = (lambda *a: _grouped_swiglu(*a, backend)) if grouped else _sorted_swiglu
-    y_sorted = swiglu(x[order // k], sizes, experts, dots)  # [T*k, H]
+    swiglu = (lambda *a: _grouped_swiglu(*a, backend)) if grouped else _batched_swiglu
+    y_sorted = swiglu(x[order // k], sizes, experts)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
 
 
-def _swiglu(x: jax.Array, experts: Experts, e: jax.Array, dots) -> jax.Array:
-    """x [C, H] through expert e (traced) -> [C, H]; `dots`: bfloat16 operands, float32 sums."""
-    c = jnp.float32 if dots is not None else None
-    cast = (lambda a: a.astype(dots)) if dots is not None else (lambda a: a)
-    weight = lambda w: cast(expert_weight(w, e, x.dtype))  # noqa: E731  (packed: this expert dequantized)
-    gate = jnp.dot(cast(x), weight(experts.w_gate), preferred_element_type=c)
-    up = jnp.dot(cast(x), weight(experts.w_up), preferred_element_type=c)
+def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
+    """x [C, H] through expert e (traced) -> [C, H]. Each weight [N, K] is used as `x @ w.T` (a
+    transpose, then the dot: XLA:CPU fuses the slice, transpose and dot into one loop that reads the
+    expert once; a dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
+    weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  (packed: this expert dequantized)
+    dot = lambda a, w: a @ w.T  # noqa: E731
+    gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
-    h = experts.act(gate, up).astype(x.dtype)
-    out = jnp.dot(cast(h), weight(experts.w_down), preferred_element_type=c)
+    out = dot(experts.act(gate, up).astype(x.dtype), weight(experts.w_down))
     return (out if experts.b_down is None else out + experts.b_down[e]).astype(x.dtype)
 
 
-def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots, backend: str) -> jax.Array:
+def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
+    """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
+    dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them."""
+    weight = lambda w: whole(w, xs.dtype) if is_packed(w) else w  # noqa: E731
+    batched = (((2,), (2,)), ((0,), (0,)))  # w [E, N, K] . x [E, C, K] -> [E, N, C]
+    gate = jax.lax.dot_general(weight(experts.w_gate), xs, batched)  # [E, I, C]
+    up = jax.lax.dot_general(weight(experts.w_up), xs, batched)
+    if experts.b_gate is not None:
+        gate, up = gate + experts.b_gate[:, :, None], up + experts.b_up[:, :, None]
+    h = experts.act(gate, up).astype(xs.dtype)  # [E, I, C]
+    out = jax.lax.dot_general(weight(experts.w_down), h, (((2,), (1,)), ((0,), (0,))))  # [E, H, C]
+    if experts.b_down is not None:
+        out = out + experts.b_down[:, :, None]
+    # The barrier keeps XLA from choosing the dots' output layout for this transpose: it would then
+    # transpose every weight stack instead (9x slower at 4 slots).
+    return jnp.swapaxes(jax.lax.optimization_barrier(out), 1, 2).astype(xs.dtype)
+
+
+def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, backend: str) -> jax.Array:
     """lhs [M, H] sorted by expert, sizes [E] (rows past their sum: output 0) -> [M, H] with three
     grouped matmuls (expert_weights.grouped_matmul: the Pallas kernel on the Pallas backend)."""
-    gate = grouped_matmul(lhs, experts.w_gate, sizes, backend, dots)  # [M, I]
-    up = grouped_matmul(lhs, experts.w_up, sizes, backend, dots)
+    gate = grouped_matmul(lhs, experts.w_gate, sizes, backend)  # [M, I]
+    up = grouped_matmul(lhs, experts.w_up, sizes, backend)
     if experts.b_gate is None and experts.b_down is None:
-        return grouped_matmul(experts.act(gate, up), experts.w_down, sizes, backend, dots)
+        return grouped_matmul(experts.act(gate, up), experts.w_down, sizes, backend)
     row_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(lhs.shape[0]), side="right")  # [M]; E: no group
     live = (row_expert < sizes.shape[0])[:, None]
 
@@ -240,10 +251,10 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots, ba
         return jnp.where(live, b[jnp.minimum(row_expert, sizes.shape[0] - 1)], 0).astype(gate.dtype)
 
     h = experts.act(gate + bias(experts.b_gate), up + bias(experts.b_up))
-    return grouped_matmul(h, experts.w_down, sizes, backend, dots) + bias(experts.b_down)
+    return grouped_matmul(h, experts.w_down, sizes, backend) + bias(experts.b_down)
 
 
-def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> jax.Array:
+def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts) -> jax.Array:
     """Each of the T*k rows through its own expert, one row at a time (a loop of T*k matrix-vector
     products, each reading only its expert's weights): [T, k, H]."""
     num_tokens, k = ids.shape
@@ -251,26 +262,46 @@ def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, dots) -> ja
 
     def one(args):
         row, e = args  # [1, H], scalar
-        return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e, dots), lambda: jnp.zeros_like(row))
+        return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e), lambda: jnp.zeros_like(row))
 
     rows = jnp.repeat(x, k, axis=0)[:, None, :]  # [T*k, 1, H]
     return jax.lax.map(one, (rows, ids.reshape(-1))).reshape(num_tokens, k, -1)
 
 
-def capacity(num_rows: int, num_experts: int, num_tokens: int) -> int:
-    """Slots per expert in one round: twice the balanced share, a power of two, at most T."""
-    fair = max(1, -(-2 * num_rows // num_experts))
-    return min(num_tokens, 1 << (fair - 1).bit_length())
+def capacity(num_rows: int, num_experts: int) -> int:
+    """Slots per expert of the batched pass: the balanced share plus SLOT_SIGMAS of its standard
+    deviations, a multiple of 4, at most num_rows."""
+    mean = num_rows / num_experts
+    slots = 4 * math.ceil((mean + SLOT_SIGMAS * math.sqrt(mean)) / 4)
+    return max(1, min(num_rows, slots))
 
 
-def _sorted_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots) -> jax.Array:
-    """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not
-    computed, output 0) -> [M, H]. Rounds of C slots per expert until the largest group is done;
-    within a round a loop over the experts, each one's C rows times its weights, an expert with
-    no rows left skipped (its weights never read)."""
+def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Array:
+    """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not computed,
+    output 0) -> [M, H]. Every expert's first C rows in one batched pass over all the weights
+    (_stacked_swiglu); the rows of a group larger than C (a skewed batch) then go through
+    `_overflow_swiglu`, which reads only the experts that have them. Nothing is dropped."""
     m, num_experts = lhs.shape[0], experts.num_experts
-    c = capacity(m, num_experts, m)
+    c = capacity(m, num_experts)
     starts = jnp.cumsum(sizes) - sizes  # [E]
+    pos = jnp.arange(c)
+    valid = pos[None, :] < sizes[:, None]  # [E, C]
+    rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
+    xs = jnp.where(valid[..., None], lhs[jnp.minimum(rows, m - 1)], 0)  # [E, C, H]
+    ys = _stacked_swiglu(xs, experts)
+    out = jnp.zeros_like(lhs).at[rows.reshape(-1)].set(ys.reshape(-1, lhs.shape[1]), mode="drop")
+    left = jnp.maximum(sizes - c, 0)
+    return jax.lax.cond(jnp.any(left > 0), lambda: _overflow_swiglu(lhs, starts + c, left, experts, out),
+                        lambda: out)
+
+
+def _overflow_swiglu(lhs: jax.Array, starts: jax.Array, sizes: jax.Array, experts: Experts,
+                     out: jax.Array) -> jax.Array:
+    """Expert e's rows starts[e] .. starts[e] + sizes[e] of lhs [M, H] through it, written into out
+    [M, H]: rounds of C' slots, each a loop over the experts that skips one with no rows left (its
+    weights never read)."""
+    m, num_experts = lhs.shape[0], experts.num_experts
+    c = capacity(m, num_experts)
 
     def one_round(i, out):
         def expert(args):
@@ -281,7 +312,7 @@ def _sorted_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots) -> 
 
             def run():
                 xs = jnp.where(valid[:, None], lhs[jnp.minimum(rows, m - 1)], 0)  # [C, H]
-                return _swiglu(xs, experts, e, dots)
+                return _swiglu(xs, experts, e)
 
             return rows, jax.lax.cond(size > i * c, run, lambda: jnp.zeros((c, lhs.shape[1]), lhs.dtype))
 
@@ -289,4 +320,4 @@ def _sorted_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, dots) -> 
         return out.at[rows.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]), mode="drop")
 
     rounds = (jnp.max(sizes) + c - 1) // c
-    return jax.lax.fori_loop(0, rounds, one_round, jnp.zeros_like(lhs))
+    return jax.lax.fori_loop(0, rounds, one_round, out)

@@ -3,7 +3,8 @@
 A MoE model's layers are Llama's attention half plus, per layer (leaves stacked on [L]):
 
     router   [L, H, E]                 (config.json's `mlp.gate`, our [in, out])
-    we_gate, we_up [L, E, H, I]  we_down [L, E, I, H]    the experts, I = moe_intermediate_size
+    we_gate, we_up [L, E, I, H]  we_down [L, E, H, I]    the experts, I = moe_intermediate_size, each
+                                       [out, in] as the hub stores it (models/expert_weights.py)
     ws_gate, ws_up [L, H, S]  ws_down [L, S, H]  ws_router [L, H, 1]   a shared expert (Qwen2-MoE)
     w_gate, w_up [L, H, D]  w_down [L, D, H]  sparse [L]   only when some layers are dense
 
@@ -15,7 +16,7 @@ pattern; a model whose layers are all sparse (Qwen3-30B-A3B, Mixtral) holds expe
 The flag is a leaf, so pipeline stages slice it with their layers.
 
 Tensor parallelism without `--enable-expert-parallel`: every expert's intermediate axis I is
-split (gate/up columns, down rows), as a dense MLP; with it, the expert axis E is split and
+split (gate/up outputs, down inputs), as a dense MLP; with it, the expert axis E is split and
 moe.moe adds the devices' partial sums with one psum.
 """
 
@@ -31,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jaxserve.models.config import ModelConfig, MoeConfig, num_experts_from_hf
 from jaxserve.models.llama import attention_shapes, dense_mlp, mlp_shapes
 from jaxserve.models.moe import Experts, Router, moe
-from jaxserve.quantization.qweight import QuantizedWeight, fp8_block, stack
+from jaxserve.quantization.qweight import QuantizedWeight, fp8_block, stack, transposed
 
 MODEL_AXIS = "model"
 
@@ -60,7 +61,7 @@ def moe_param_shapes(cfg: ModelConfig) -> dict:
     L, H, E, I = cfg.num_layers, cfg.hidden_size, m.num_experts, m.moe_intermediate_size
     shapes = attention_shapes(cfg)
     layers = shapes["layers"]
-    layers.update(router=(L, H, E), we_gate=(L, E, H, I), we_up=(L, E, H, I), we_down=(L, E, I, H))
+    layers.update(router=(L, H, E), we_gate=(L, E, I, H), we_up=(L, E, I, H), we_down=(L, E, H, I))
     if m.shared_expert_intermediate_size:
         layers.update(mlp_shapes(L, H, m.shared_expert_intermediate_size, "ws"), ws_router=(L, H, 1))
     if m.dense_layers:
@@ -101,9 +102,9 @@ def moe_partition_rules(cfg: ModelConfig, tp: int) -> dict:
     else:
         ok = m.moe_intermediate_size % tp == 0
         why = f"moe_intermediate_size {m.moe_intermediate_size} not divisible by {tp}"
-        rules.update(we_gate=(ok, P(None, None, None, MODEL_AXIS), why),
-                     we_up=(ok, P(None, None, None, MODEL_AXIS), why),
-                     we_down=(ok, P(None, None, MODEL_AXIS, None), why))
+        rules.update(we_gate=(ok, P(None, None, MODEL_AXIS, None), why),
+                     we_up=(ok, P(None, None, MODEL_AXIS, None), why),
+                     we_down=(ok, P(None, None, None, MODEL_AXIS), why))
     if shared:
         ok, why = shared % tp == 0, f"shared_expert_intermediate_size {shared} not divisible by {tp}"
         rules.update(ws_gate=(ok, P(None, None, MODEL_AXIS), why), ws_up=(ok, P(None, None, MODEL_AXIS), why),
@@ -137,16 +138,15 @@ def expert_readers(cfg: ModelConfig, blocks: tuple[str, ...], per_expert: tuple[
     def expert(which: int) -> Callable:
         def read(get, prefix: str, linear=None):
             base = f"{prefix}{block(get, prefix)}.experts."
-            if linear is not None:  # a quantized checkpoint: a stacked host QuantizedWeight [E, K, N]
+            if linear is not None:  # a quantized checkpoint: a stacked host QuantizedWeight [E, N, K]
                 return quantized_experts(cfg, get, base, per_expert, which, linear)
             try:
                 fused = np.asarray(get(base + ("down_proj" if which == 2 else "gate_up_proj")))
             except KeyError:
-                return np.stack([np.asarray(get(f"{base}{e}.{per_expert[which]}.weight")).T for e in range(E)])
+                return np.stack([np.asarray(get(f"{base}{e}.{per_expert[which]}.weight")) for e in range(E)])
             if which == 2:
-                return np.swapaxes(fused, 1, 2)  # [E, H, I] -> [E, I, H]
-            half = fused[:, :I] if which == 0 else fused[:, I:]
-            return np.swapaxes(half, 1, 2)  # [E, I, H] -> [E, H, I]
+                return fused  # [E, H, I]
+            return fused[:, :I] if which == 0 else fused[:, I:]  # [E, I, H]
         return takes_linear(read)
 
     return {"router": router, "we_gate": expert(0), "we_up": expert(1), "we_down": expert(2)}
@@ -170,7 +170,7 @@ def unsupported_expert_quantization(method: str, scheme: str) -> str:
 
 def quantized_experts(cfg: ModelConfig, get, base: str, per_expert: tuple[str, str, str], which: int, linear):
     """One layer's gate (0), up (1) or down (2) experts of a block-wise FP8 checkpoint as one host
-    QuantizedWeight [E, K, N]: per-expert `{e}.{name}.weight` (e4m3 [N, K]) with their own
+    QuantizedWeight [E, N, K] (output-major, as the float stacks): per-expert `{e}.{name}.weight` (e4m3 [N, K]) with their own
     `weight_scale_inv`, or, as transformers' FineGrainedFP8 save_pretrained writes them, with the
     layer's fused scales `gate_up_proj_scale_inv` [E, 2I / bn, H / bk] (gate block rows first) /
     `down_proj_scale_inv` [E, H / bn, I / bk]; or fused fp8 weights `gate_up_proj` / `down_proj`
@@ -183,7 +183,7 @@ def quantized_experts(cfg: ModelConfig, get, base: str, per_expert: tuple[str, s
     except KeyError:  # no per-expert scales: the fused ones below
         pass
     else:
-        return stack([linear(f"{base}{e}.{per_expert[which]}", (k, n)) for e in range(E)])
+        return transposed(stack([linear(f"{base}{e}.{per_expert[which]}", (k, n)) for e in range(E)]))
     fused = "down_proj" if which == 2 else "gate_up_proj"
     scales = np.asarray(get(f"{base}{fused}_scale_inv"), np.float32)  # [E, rows / bn, cols / bk]
     if linear.spec.scheme != "fp8_block":
@@ -200,7 +200,7 @@ def quantized_experts(cfg: ModelConfig, get, base: str, per_expert: tuple[str, s
     except KeyError:
         w = np.asarray(get(base + fused))  # [E, 2I, H] or [E, H, I]
         weights = list(w if which == 2 else (w[:, :I] if which == 0 else w[:, I:]))
-    return stack([fp8_block(weights[e], scales[e], (bn, bk)) for e in range(E)])
+    return transposed(stack([fp8_block(weights[e], scales[e], (bn, bk)) for e in range(E)]))
 
 
 def mixed_layer_tensors(cfg: ModelConfig, tensors: dict) -> dict:
@@ -237,7 +237,11 @@ def _zeros_unless(cfg: ModelConfig, src, shape: tuple[int, ...], sparse: bool) -
         layer = int(prefix.rstrip(".").rsplit(".", 1)[1])
         quantized = linear is not None and projection
         if _moe(cfg).is_sparse(layer) != sparse:
-            return _zero_weight(shape, linear.spec) if quantized else np.zeros(shape, np.float32)
+            if not quantized:
+                return np.zeros(shape, np.float32)
+            if len(shape) == 3:  # an expert stack [E, N, K]: output-major
+                return transposed(_zero_weight((*shape[:-2], shape[-1], shape[-2]), linear.spec))
+            return _zero_weight(shape, linear.spec)
         if callable(src):
             return src(get, prefix, linear) if quantized else src(get, prefix)
         name, transpose = src

@@ -7,17 +7,13 @@ The hub stores each stacked expert projection (HF orientation [out, in] per expe
     *_scales  uint8 [E, N, K / 32]      e8m0: the block's scale is 2^(scale - 127)
 
 and w[e, n, k] = FP4_VALUES[nibble] * 2^(scales[e, n, k // 32] - 127) (transformers'
-`integrations.mxfp4.convert_moe_packed_tensors`, which returns the [E, K, N] float weight the
-model multiplies by). `Mxfp4Weight` keeps both tensors as they are: 17 bytes per 32 weights,
-0.27x bfloat16. Nothing is dequantized at load; the matmuls dequantize only the experts a step
-touches, inside the program:
+`integrations.mxfp4.convert_moe_packed_tensors`, which returns it transposed, [E, K, N]).
+`Mxfp4Weight` keeps both tensors as they are: 17 bytes per 32 weights, 0.27x bfloat16, and stands
+for the output-major [E, N, K] float stack every expert form has here (models/expert_weights.py).
+Nothing is dequantized at load; the expert paths dequantize only the experts a step touches,
+inside the program:
 
-    dequantize_experts(w, ids)          [len(ids), K, N] float: the experts `ids`, unpacked
-    grouped_matmul_mxfp4(x, w, sizes)   rows sorted by expert times their expert's weight: the
-                                        rows are cut into blocks of one expert each (the Pallas
-                                        grouped matmul's alignment, pallas_kernels.grouped_matmul),
-                                        only those blocks' experts are unpacked (at most
-                                        cdiv(M, block_m) + min(E, M) of them), then one batched dot
+    dequantize_experts(w, ids)          [len(ids), N, K] float: the experts `ids`, unpacked
 
 Values below 2^-126 (an e8m0 scale under 2, never seen in real checkpoints) are denormal floats,
 which XLA:CPU flushes to zero (and scale 0 is read as 0 everywhere); transformers keeps them.
@@ -31,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.grouped_matmul import align_block_size
 
 BLOCK = 32  # elements per e8m0 scale
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -40,15 +35,15 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Mxfp4Weight:
-    """Stacked expert weights [..., E, K, N] (the model's [in, out] per expert), packed as the hub stores them."""
+    """Stacked expert weights [..., E, N, K] ([out, in] per expert), packed as the hub stores them."""
     blocks: jax.Array  # u8[..., E, N, K // 32, 16]: e2m1 pairs, low nibble first
     scales: jax.Array  # u8[..., E, N, K // 32]: e8m0 exponents (bias 127)
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The logical [..., E, K, N] shape of the float weight it stands for."""
+        """The logical [..., E, N, K] shape of the float weight it stands for."""
         *lead, e, n, groups, _ = self.blocks.shape
-        return (*lead, e, groups * BLOCK, n)
+        return (*lead, e, n, groups * BLOCK)
 
     @property
     def nbytes(self) -> int:
@@ -68,7 +63,7 @@ def from_hub(blocks: np.ndarray, scales: np.ndarray) -> Mxfp4Weight:
 
 
 def _unpack(blocks: jax.Array, scales: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """u8[..., N, G, 16], u8[..., N, G] -> [..., K, N] in dtype (K = 32 G).
+    """u8[..., N, G, 16], u8[..., N, G] -> [..., N, K] in dtype (K = 32 G).
 
     e2m1 by arithmetic, not a table lookup (a gather, 6x slower on XLA:CPU): code c = s eem,
     |value| = m / 2 when ee = 0, else (1 + m / 2) 2^(ee - 1); the e8m0 scale 2^(scale - 127) is the
@@ -79,42 +74,16 @@ def _unpack(blocks: jax.Array, scales: jax.Array, dtype: jnp.dtype) -> jax.Array
     vals = jnp.where(codes >= 8, -mag, mag).reshape(*blocks.shape[:-1], BLOCK)  # [..., N, G, 32]
     scale = jax.lax.bitcast_convert_type(scales.astype(jnp.int32) << 23, jnp.float32)  # [..., N, G]
     w = vals * scale[..., None]  # exact: a power-of-two scale
-    return jnp.swapaxes(w.reshape(*w.shape[:-2], -1), -1, -2).astype(dtype)  # [..., K, N]
+    return w.reshape(*w.shape[:-2], -1).astype(dtype)  # [..., N, K]
 
 
 def dequantize(w: Mxfp4Weight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """The whole float weight [..., E, K, N] (tests and small models; the matmuls unpack only what they use)."""
+    """The whole float weight [..., E, N, K] (tests and small models; the matmuls unpack only what they use)."""
     return _unpack(w.blocks, w.scales, dtype)
 
 
 def dequantize_experts(w: Mxfp4Weight, expert_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Experts `expert_ids` (i32[B], clipped into range) of one layer's [E, K, N] weight -> [B, K, N]:
+    """Experts `expert_ids` (i32[B], clipped into range) of one layer's [E, N, K] weight -> [B, N, K]:
     only their packed bytes are read."""
     ids = jnp.clip(expert_ids.astype(jnp.int32), 0, w.blocks.shape[0] - 1)
     return _unpack(jnp.take(w.blocks, ids, axis=0), jnp.take(w.scales, ids, axis=0), dtype)
-
-
-def grouped_matmul_mxfp4(lhs: jax.Array, w: Mxfp4Weight, group_sizes: jax.Array, *,
-                         block_m: int = 8) -> jax.Array:
-    """lhs [M, K] (rows sorted by expert, group e the next group_sizes[e] rows) times each row's
-    expert of one layer's weight [E, K, N] -> [M, N] in lhs.dtype; rows past sum(group_sizes) get 0.
-
-    Static shapes throughout: the rows are gathered into B row blocks of one expert each (B =
-    cdiv(M, block_m) + min(E, M)), the B blocks' experts unpacked, one batched dot, and each real
-    row scattered back. A dead block (past the last group) computes with expert 0 and is dropped.
-    """
-    m, k = lhs.shape
-    num_experts, kw, _ = w.shape
-    if w.blocks.ndim != 4 or kw != k or group_sizes.shape != (num_experts,):
-        raise ValueError(f"grouped_matmul_mxfp4: lhs [M, K={k}], one layer's weight [E, K, N] and group_sizes [E]; "
-                         f"got weight {w.shape}, group_sizes {group_sizes.shape}")
-    expert, start, rows = align_block_size(group_sizes, m, block_m)  # [B] each
-    offs = jnp.arange(block_m, dtype=jnp.int32)
-    row_ids = start[:, None] + offs  # [B, block_m]
-    live = offs < rows[:, None]  # [B, block_m]
-    x = jnp.take(lhs, jnp.clip(row_ids, 0, m - 1), axis=0)  # [B, block_m, K]
-    wb = dequantize_experts(w, expert, lhs.dtype)  # [B, K, N]
-    out = jnp.einsum("bmk,bkn->bmn", x, wb, preferred_element_type=jnp.float32)  # [B, block_m, N]
-    dest = jnp.where(live, row_ids, m).reshape(-1)  # dropped rows go out of range
-    result = jnp.zeros((m, out.shape[-1]), jnp.float32).at[dest].set(out.reshape(-1, out.shape[-1]), mode="drop")
-    return result.astype(lhs.dtype)

@@ -164,6 +164,16 @@ def fp8_block(weight: np.ndarray, scale_inv: np.ndarray, block_size: tuple[int, 
     return QuantizedWeight(values, scales, scheme="fp8_block", group_size=bk, block_cols=bn)
 
 
+def transposed(w: QuantizedWeight) -> QuantizedWeight:
+    """A host fp8_block weight [..., K, N] as [..., N, K] with its scale blocks swapped alike (MoE
+    experts are stored output-major, models/expert_weights.py); `dequantize` reads either."""
+    if w.scheme != "fp8_block":
+        raise ValueError(f"transposed: only fp8_block weights, got {w.scheme!r}")
+    swap = lambda a: np.ascontiguousarray(np.swapaxes(np.asarray(a), -1, -2))  # noqa: E731
+    return QuantizedWeight(swap(w.values), swap(w.scales), scheme="fp8_block", group_size=w.block_cols,
+                           block_cols=w.group_size)
+
+
 def dense_weight(w: QuantizedWeight) -> np.ndarray:
     """Host float32 [..., K, N] in the original row order (tests compare it with a checkpoint's)."""
     d = np.asarray(dequantize(w))

@@ -12,7 +12,9 @@ QuantizedWeight expands it field by field:
 A row split needs G divisible by the axis (each device holds whole groups); otherwise
 the weight is replicated.
 
-An Mxfp4Weight (gpt-oss's experts, logical [L, E, K, N]) stores N before K's 32-element blocks:
+MoE expert stacks are output-major, [L, E, N, K] (models/expert_weights.py): a block-wise fp8
+one's scales [L, E, cdiv(N, bn), cdiv(K, bk)] split as its rows and columns. An Mxfp4Weight
+(gpt-oss's experts, logical [L, E, N, K]) keeps K in 32-element blocks:
 
     blocks [L, E, N, K / 32, 16], scales [L, E, N, K / 32]    E and N split as planned; a K split
                                                               cuts whole blocks (K / 32 divisible)
@@ -28,7 +30,7 @@ from jaxserve.quantization.qweight import QuantizedWeight
 
 def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeight:
     """A QuantizedWeight of PartitionSpecs (None where the field is None) for a weight planned as `spec`.
-    The last two axes are [K, N]; leading ones (the layer axis, a MoE stack's expert axis: split
+    The last two axes are [rows, columns] ([K, N]; a MoE expert stack's [N, K]); leading ones (the layer axis, a MoE stack's expert axis: split
     under expert parallelism) are split alike in every field."""
     nd = w.values.ndim
     dims = tuple(spec) + (None,) * (nd - len(tuple(spec)))
@@ -49,10 +51,10 @@ def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeig
 
 
 def mxfp4_spec(spec: P, w: Mxfp4Weight, axis_size: int) -> Mxfp4Weight:
-    """An Mxfp4Weight of PartitionSpecs for a weight planned as `spec` over its logical [..., E, K, N]."""
+    """An Mxfp4Weight of PartitionSpecs for a weight planned as `spec` over its logical [..., E, N, K]."""
     nd = len(w.shape)
     dims = tuple(spec) + (None,) * (nd - len(tuple(spec)))
-    lead, dk, dn = dims[:-2], dims[-2], dims[-1]
+    lead, dn, dk = dims[:-2], dims[-2], dims[-1]
     if dk is not None and w.scales.shape[-1] % axis_size:  # a K split would cut a block of 32
         dk = None
     return Mxfp4Weight(P(*lead, dn, dk, None), P(*lead, dn, dk))

@@ -40,7 +40,7 @@ CHUNKED_PREFILL_TOKENS = 512  # a step's token budget with chunked prefill, unle
 # allocator's fragmentation need the rest, and a server sized to 0.98 dies of OOM at its first long batch.
 MAX_GPU_MEMORY_UTILIZATION = 0.95
 MATMUL_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-EXPERT_LEAVES = ("we_gate", "we_up", "we_down")  # a MoE layer's stacked experts [L, E, in, out]
+EXPERT_LEAVES = ("we_gate", "we_up", "we_down")  # a MoE layer's stacked experts [L, E, out, in]
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,11 @@ def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int =
     for leaf, shape in shapes["layers"].items():
         spec = tuple(plan.specs["layers"][leaf])
         shard = _shard_elems(shape[1:], spec[1:], tp, plan.kv_groups)  # one layer's shard
-        if scheme and leaf in scheme.leaves:  # [L, (E,) in, out]: the shard's matrices, rows and columns
+        if scheme and leaf in scheme.leaves:  # [L, in, out] or [L, E, out, in]: the shard's matrices
             rows = _shard_elems(shape[-2:-1], spec[-2:-1], tp, plan.kv_groups)
             cols = _shard_elems(shape[-1:], spec[-1:], tp, plan.kv_groups)
+            if leaf in EXPERT_LEAVES:  # input rows, output columns
+                rows, cols = cols, rows
             total += (end - start) * shard // (rows * cols) * scheme.matrix_bytes(rows, cols)
         else:
             total += (end - start) * shard * width
