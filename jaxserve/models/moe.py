@@ -209,7 +209,7 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     transpose, then the dot: XLA:CPU fuses the slice, transpose and dot into one loop that reads the
     expert once; a dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
     weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  (packed: this expert dequantized)
-    dot = lambda a, w: a @ w.T  # noqa: E731
+    dot = lambda a, w: jnp.matmul(a.astype(w.dtype), w.T, preferred_element_type=jnp.float32)  # noqa: E731
     gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
@@ -221,13 +221,14 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them."""
     weight = lambda w: whole(w, xs.dtype) if is_packed(w) else w  # noqa: E731
+    wg, wu, wd = weight(experts.w_gate), weight(experts.w_up), weight(experts.w_down)
+    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims, preferred_element_type=jnp.float32)  # noqa: E731
     batched = (((2,), (2,)), ((0,), (0,)))  # w [E, N, K] . x [E, C, K] -> [E, N, C]
-    gate = jax.lax.dot_general(weight(experts.w_gate), xs, batched)  # [E, I, C]
-    up = jax.lax.dot_general(weight(experts.w_up), xs, batched)
+    gate, up = dot(wg, xs, batched), dot(wu, xs, batched)  # [E, I, C]
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[:, :, None], up + experts.b_up[:, :, None]
-    h = experts.act(gate, up).astype(xs.dtype)  # [E, I, C]
-    out = jax.lax.dot_general(weight(experts.w_down), h, (((2,), (1,)), ((0,), (0,))))  # [E, H, C]
+    h = experts.act(gate, up)  # [E, I, C]
+    out = dot(wd, h, (((2,), (1,)), ((0,), (0,))))  # [E, H, C]
     if experts.b_down is not None:
         out = out + experts.b_down[:, :, None]
     # The barrier keeps XLA from choosing the dots' output layout for this transpose: it would then
