@@ -58,15 +58,17 @@ def is_packed(w: ExpertWeight) -> bool:
 
 
 def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Expert e (a traced scalar) of the stack -> [N, K] in `dtype` (a float stack: its own dtype
-    unless asked otherwise); only that expert's bytes are read."""
+    """Expert e (a traced scalar) of the stack as `x @ weight` takes it, [K, N], in `dtype` (a float
+    stack: its own dtype); only that expert's bytes are read. A float expert is `w[e].T`: XLA:CPU
+    fuses the slice and transpose into the product; a packed one is dequantized (a temporary:
+    about 60 us for a 192 x 512 fp8 expert on XLA:CPU, the price of fp8 experts at decode there)."""
     if isinstance(w, Mxfp4Weight):
-        return dequantize_experts(w, jnp.reshape(e, (1,)), dtype)[0]
+        return dequantize_experts(w, jnp.reshape(e, (1,)), dtype)[0].T
     if isinstance(w, QuantizedWeight):
         check_expert_weight(w)
         one = jax.tree.map(lambda a: a[e], w)  # values [N, K], scales [Gn, Gk]
-        return dequantize(one, dtype)
-    return w[e]
+        return dequantize(one, dtype).T
+    return w[e].T
 
 
 def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:

@@ -68,6 +68,7 @@ from jaxserve.models.expert_weights import (ExpertWeight, expert_weight, first_l
                                             grouped_matmul, is_packed, whole)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul
+from jaxserve.quantization.qweight import QuantizedWeight
 
 SLOT_SIGMAS = 2.0  # the batched pass's slots per expert: the mean share + this many standard deviations
 MODEL_AXIS = "model"
@@ -193,7 +194,7 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
     The one place the path is chosen (see the module docstring)."""
     num_tokens, k = ids.shape
     grouped = backend in PALLAS_BACKENDS
-    if num_tokens * k <= experts.num_experts and not grouped:  # fewer rows than experts: gather
+    if num_tokens * k <= _gather_max_rows(experts) and not grouped:
         return _gathered_swiglu(x, ids, experts)
     flat = ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat, stable=True)
@@ -204,12 +205,21 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
     return y.reshape(num_tokens, k, -1)
 
 
+def _gather_max_rows(experts: Experts) -> int:
+    """The most rows (T*k) the gather path takes: E (it reads an expert per row, the batched path
+    every expert), but 8 for fp8 stacks, whose per-row dequantization costs more than the
+    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py)."""
+    if isinstance(experts.w_gate, QuantizedWeight):
+        return 8
+    return experts.num_experts
+
+
 def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
-    """x [C, H] through expert e (traced) -> [C, H]. Each weight [N, K] is used as `x @ w.T` (a
-    transpose, then the dot: XLA:CPU fuses the slice, transpose and dot into one loop that reads the
-    expert once; a dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
-    weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  (packed: this expert dequantized)
-    dot = lambda a, w: jnp.matmul(a.astype(w.dtype), w.T, preferred_element_type=jnp.float32)  # noqa: E731
+    """x [C, H] through expert e (traced) -> [C, H]. Each weight is `x @ w[e].T` (expert_weight: a
+    float expert's slice, transpose and dot fuse into one XLA:CPU loop that reads it once; a
+    dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
+    weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  [K, N] (packed: this expert dequantized)
+    dot = lambda a, w: jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)  # noqa: E731
     gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
@@ -285,6 +295,8 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
     starts = jnp.cumsum(sizes) - sizes  # [E]
+    if is_packed(experts.w_gate):  # unpacking every stack each step costs more than the loop over experts
+        return _overflow_swiglu(lhs, starts, sizes, experts, jnp.zeros_like(lhs))
     pos = jnp.arange(c)
     valid = pos[None, :] < sizes[:, None]  # [E, C]
     rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
