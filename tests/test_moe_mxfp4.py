@@ -48,7 +48,11 @@ def test_mxfp4_experts_equal_the_dequantized_bf16_ones(num_tokens, backend):
     got = run(x, router, ex, backend=backend)
     want = run(x, router, dense, backend=backend)
     assert got.dtype == jnp.bfloat16 and np.any(np.asarray(want, np.float32) != 0)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if num_tokens * 2 > E and backend == "xla":  # packed stacks loop over the experts, float ones take
+        # the batched dots: the same products summed in another order, within a bfloat16 ulp
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2 ** -7, atol=0)
+    else:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 def test_only_the_asked_experts_are_unpacked():
@@ -72,7 +76,9 @@ for t, backend in ((3, "xla"), (40, "xla"), (40, "pallas-interpret")):
     x = jnp.asarray(rng.standard_normal((t, H)), jnp.bfloat16)
     got = run(x, router, split(ex), expert_parallel=True, backend=backend)
     want = run(x, router, dense)
-    assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)), (t, backend)
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    same_path = t * 2 <= 8 or backend != "xla"  # else packed loops, float takes the batched dots
+    assert np.array_equal(g, w) if same_path else np.allclose(g, w, rtol=2 ** -7, atol=0), (t, backend)
     text = run.lower(x, router, split(ex), expert_parallel=True, backend=backend).as_text()
     assert "all-reduce" in text or "all_reduce" in text, "no psum: expert parallel path not taken"
 print("EP OK")

@@ -17,11 +17,14 @@ matmuls (expert_weights.grouped_matmul: the Pallas Triton kernel pallas_kernels/
 lhs [M, K] sorted by group, rhs [E, N, K], group_sizes [E] -> [M, N]; a static grid of
 cdiv(M, 16) + min(E, M) row blocks, one expert each, so its cost follows the touched experts).
 
-Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight):
-the gather path dequantizes only the experts it multiplies by, the batched one (most experts
-touched) the whole stack, inside the program. The experts run in their weights' dtype: the CPU
-default's bfloat16 dots from 64 tokens (engine/config.py, bf16_dots_from) reach the router only;
-casting float32 stacks each step cost more than the dots saved (43 against 18 ms at 64 tokens).
+Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight),
+dequantized inside the program, only the touched experts: the gather path unpacks each row's
+expert (fp8: up to 8 rows, `_gather_max_rows`); past it `_looped_swiglu`, a loop over the
+experts, unpacks each touched one once for its rows (unpacking all the stacks for the batched
+dots cost 2-3x more: 70 against 28-34 ms at 64 tokens). The experts run in their weights' dtype:
+the CPU default's bfloat16 dots from 64 tokens (engine/config.py, bf16_dots_from) reach the
+router only; casting float32 stacks each step cost more than the dots saved (43 against 18 ms
+for the layer at 64 tokens).
 
 Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
@@ -65,7 +68,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.attention import PALLAS_BACKENDS
 from jaxserve.models.expert_weights import (ExpertWeight, expert_weight, first_leaf,
-                                            grouped_matmul, is_packed, whole)
+                                            grouped_matmul, is_packed)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul
 from jaxserve.quantization.qweight import QuantizedWeight
@@ -219,7 +222,7 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     float expert's slice, transpose and dot fuse into one XLA:CPU loop that reads it once; a
     dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
     weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  [K, N] (packed: this expert dequantized)
-    dot = lambda a, w: jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)  # noqa: E731
+    dot = lambda a, w: a.astype(w.dtype) @ w  # noqa: E731  (each product in the weights' dtype, as the kernel's)
     gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
@@ -230,9 +233,8 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
 def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them."""
-    weight = lambda w: whole(w, xs.dtype) if is_packed(w) else w  # noqa: E731
-    wg, wu, wd = weight(experts.w_gate), weight(experts.w_up), weight(experts.w_down)
-    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims, preferred_element_type=jnp.float32)  # noqa: E731
+    wg, wu, wd = experts.w_gate, experts.w_up, experts.w_down  # float stacks (packed ones loop: _batched_swiglu)
+    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims)  # noqa: E731
     batched = (((2,), (2,)), ((0,), (0,)))  # w [E, N, K] . x [E, C, K] -> [E, N, C]
     gate, up = dot(wg, xs, batched), dot(wu, xs, batched)  # [E, I, C]
     if experts.b_gate is not None:
@@ -291,12 +293,13 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not computed,
     output 0) -> [M, H]. Every expert's first C rows in one batched pass over all the weights
     (_stacked_swiglu); the rows of a group larger than C (a skewed batch) then go through
-    `_overflow_swiglu`, which reads only the experts that have them. Nothing is dropped."""
+    `_looped_swiglu`, which reads only the experts that have them. Nothing is dropped. Packed
+    stacks take `_looped_swiglu` for every row."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
     starts = jnp.cumsum(sizes) - sizes  # [E]
     if is_packed(experts.w_gate):  # unpacking every stack each step costs more than the loop over experts
-        return _overflow_swiglu(lhs, starts, sizes, experts, jnp.zeros_like(lhs))
+        return _looped_swiglu(lhs, starts, sizes, experts, jnp.zeros_like(lhs))
     pos = jnp.arange(c)
     valid = pos[None, :] < sizes[:, None]  # [E, C]
     rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
@@ -304,12 +307,12 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     ys = _stacked_swiglu(xs, experts)
     out = jnp.zeros_like(lhs).at[rows.reshape(-1)].set(ys.reshape(-1, lhs.shape[1]), mode="drop")
     left = jnp.maximum(sizes - c, 0)
-    return jax.lax.cond(jnp.any(left > 0), lambda: _overflow_swiglu(lhs, starts + c, left, experts, out),
+    return jax.lax.cond(jnp.any(left > 0), lambda: _looped_swiglu(lhs, starts + c, left, experts, out),
                         lambda: out)
 
 
-def _overflow_swiglu(lhs: jax.Array, starts: jax.Array, sizes: jax.Array, experts: Experts,
-                     out: jax.Array) -> jax.Array:
+def _looped_swiglu(lhs: jax.Array, starts: jax.Array, sizes: jax.Array, experts: Experts,
+                   out: jax.Array) -> jax.Array:
     """Expert e's rows starts[e] .. starts[e] + sizes[e] of lhs [M, H] through it, written into out
     [M, H]: rounds of C' slots, each a loop over the experts that skips one with no rows left (its
     weights never read)."""
