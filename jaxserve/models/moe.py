@@ -34,19 +34,22 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     vector-matrix product reading the expert once: 1.0-1.1x. Written as a dot_general contracting
     w's last axis it is not fused (1.6-1.9x slower): `_swiglu` keeps the transpose.
   * `jax.lax.ragged_dot` is lowered on the CPU as a masked dense product per expert over all rows
-    (100x the gather path at 1 token, 30x the batched one at 256). Not used.
+    (200x the gather path at 1 token, 38x the batched one at 256). Not used.
   * batched dots over the stacks (w [E, N, K] . x [E, C, K] -> [E, N, C]) beat a loop of per-expert
     dots 1.5-3x at every C, the activations kept [E, I, C] between them. Asking XLA for the result
     as [E, C, N] directly (or transposing it without the optimization barrier) made it transpose
     the weight stacks instead: 9x slower.
-  * C = mean + 2 sigma of a uniform routing's group size (4 slots at 16-32 tokens, 8 at 64, 24 at
-    256): beside 4 sigma, the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms
-    at 64 tokens, 30.4 against 38.3 at 256).
+  * C = mean + 2 sigma of a uniform routing's group size (8 slots at 32-64 tokens, 24 at 256):
+    against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
+    tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
   * the gather path reads k experts per row, the batched one every expert: gather while
     T*k <= E (at 16 tokens: 10.5 against 13.4 ms; at 32, 19.5 against 15.1).
-  * the floor at 64+ tokens: the batched dots run on one core (XLA:CPU splits a large 2D dot
-    over the cores, not a batched one) while the bound's dense product uses both.
-Against the bounds (BENCHMARKS.md, "MoE layer"): BOUNDS.
+  * the floor at 64+ tokens: a batched dot ran as fast on one core as on two (4 slots), a large
+    2D dot 3x faster on two: the bound's dense product uses both cores, these dots mostly one.
+Against the bounds (BENCHMARKS.md, "MoE layer"): 1.03x the dense layer of the active width at 1
+token; at 4 tokens 0.88x the time of reading the 28 touched experts once (3.4x the active-width
+layer: no exact path reads fewer); at 64 and 256 tokens 2.1-2.8x of reading every touched expert
+once plus the active FLOPs.
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
