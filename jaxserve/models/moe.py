@@ -163,11 +163,11 @@ def _kernel_on_slices(experts: Experts, mesh) -> bool:
 def _intermediate_split(x, ids, weights, experts: Experts, backend: str, mesh) -> jax.Array:
     """Tensor parallelism without expert parallelism, on the Pallas backend (float stacks): each
     device runs the grouped matmuls on its slice of every expert's intermediate axis (gate/up
-    columns, down rows: moe_layers.moe_partition_rules' placement) inside a shard_map -- a Pallas kernel has no partitioning rule, so
+    outputs, down inputs: moe_layers.moe_partition_rules' placement) inside a shard_map -- a Pallas kernel has no partitioning rule, so
     XLA would otherwise gather the whole stacks to every device -- and one psum adds the partial
     down projections, as a dense MLP's all-reduce."""
     b_down, experts = experts.b_down, replace(experts, b_down=None)  # added once, after the psum
-    column = P(None, MODEL_AXIS) if experts.b_gate is not None else None  # gate/up biases split as their columns
+    column = P(None, MODEL_AXIS) if experts.b_gate is not None else None  # gate/up biases split as their outputs
     specs = Experts(P(None, MODEL_AXIS, None), P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS),  # moe_layers' plan
                     column, column, None, experts.activation)
 

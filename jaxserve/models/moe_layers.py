@@ -170,8 +170,8 @@ def unsupported_expert_quantization(method: str, scheme: str) -> str:
 
 def quantized_experts(cfg: ModelConfig, get, base: str, per_expert: tuple[str, str, str], which: int, linear):
     """One layer's gate (0), up (1) or down (2) experts of a block-wise FP8 checkpoint as one host
-    QuantizedWeight [E, N, K] (output-major, as the float stacks): per-expert `{e}.{name}.weight` (e4m3 [N, K]) with their own
-    `weight_scale_inv`, or, as transformers' FineGrainedFP8 save_pretrained writes them, with the
+    QuantizedWeight [E, N, K] (output-major, as the float stacks): per-expert `{e}.{name}.weight`
+    (e4m3 [N, K]) with their own `weight_scale_inv`, or, as transformers' FineGrainedFP8 save_pretrained writes them, with the
     layer's fused scales `gate_up_proj_scale_inv` [E, 2I / bn, H / bk] (gate block rows first) /
     `down_proj_scale_inv` [E, H / bn, I / bk]; or fused fp8 weights `gate_up_proj` / `down_proj`
     with those scales. `linear`: hf_linear.linear_reader's (prefix, (K, N)) -> QuantizedWeight."""

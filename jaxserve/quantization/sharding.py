@@ -30,8 +30,9 @@ from jaxserve.quantization.qweight import QuantizedWeight
 
 def quantized_spec(spec: P, w: QuantizedWeight, axis_size: int) -> QuantizedWeight:
     """A QuantizedWeight of PartitionSpecs (None where the field is None) for a weight planned as `spec`.
-    The last two axes are [rows, columns] ([K, N]; a MoE expert stack's [N, K]); leading ones (the layer axis, a MoE stack's expert axis: split
-    under expert parallelism) are split alike in every field."""
+    The last two axes are [rows, columns] ([K, N]; a MoE expert stack's [N, K]); leading ones (the
+    layer axis, a MoE stack's expert axis: split under expert parallelism) are split alike in every
+    field."""
     nd = w.values.ndim
     dims = tuple(spec) + (None,) * (nd - len(tuple(spec)))
     lead, dk, dn = dims[:-2], dims[-2], dims[-1]
