@@ -16,7 +16,6 @@ import threading
 import time
 
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -28,10 +27,9 @@ from jaxserve.entrypoints.openai import protocol as p
 from jaxserve.entrypoints.openai.engine_client import EngineClient
 from jaxserve.entrypoints.openai import lifecycle
 from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, Handler, _endpoint, read_json  # noqa: F401
-from jaxserve.entrypoints.openai.errors import OpenAIError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.openapi import build_openapi
-from jaxserve.entrypoints.openai.operator_routes import operator_routes
+from jaxserve.entrypoints.openai.operator_routes import server_app
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
 from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, wrong_runner
@@ -68,28 +66,14 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(openapi)
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        message = f"{exc.detail}: {request.method} {request.url.path}"
-        return OpenAIError(message, status=exc.status_code, code=code).response()
-
     routes = [
         Route("/v1/completions", _endpoint(create_completion), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint(create_chat_completion), methods=["POST"]),
         Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
-    ] + operator_routes(engine, chat, metrics, state, max_body_bytes)
-    routes += lora_routes(engine, read_json, _endpoint, max_body_bytes)
+    ] + lora_routes(engine, read_json, _endpoint, max_body_bytes)
     routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
-    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state,
-                       max_header_bytes=max_header_bytes)  # outermost
-    app.state.engine = engine
-    app.state.lifecycle = state
-    app.state.metrics = metrics
-    return app
+    return server_app(routes, engine, chat, metrics, state, max_body_bytes=max_body_bytes, api_key=api_key,
+                      protect_metrics=protect_metrics, max_header_bytes=max_header_bytes)
 
 
 def _refuse_pooling(path: str) -> Handler:

@@ -1,8 +1,11 @@
-"""The routes every jaxserve server has, whatever its runner (generate or pooling): /v1/models,
-/tokenize, /detokenize, /health, /version, /metrics (vLLM's shapes and metric names)."""
+"""What every jaxserve server has, whatever its runner (generate or pooling): the routes /v1/models,
+/tokenize, /detokenize, /health, /version, /metrics (vLLM's shapes and metric names), and the app
+around its own routes (`server_app`: the OpenAI-shaped 404/405, the API key, the lifecycle)."""
 
 from __future__ import annotations
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -12,7 +15,7 @@ from jaxserve.entrypoints.openai import lifecycle
 from jaxserve.entrypoints.openai import protocol as p
 from jaxserve.entrypoints.openai.engine_client import EngineClient
 from jaxserve.entrypoints.openai.errors import OpenAIError
-from jaxserve.entrypoints.openai.http import _endpoint, read_json
+from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, _endpoint, read_json
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
 from jaxserve.entrypoints.openai.serving_chat import ServingChat
 from jaxserve.entrypoints.openai.serving_lora import model_cards
@@ -63,3 +66,27 @@ def operator_routes(engine: EngineClient, chat: ServingChat, metrics: ServerMetr
         Route("/version", _endpoint(version), methods=["GET"]),
         Route("/metrics", _endpoint(metrics_endpoint), methods=["GET"]),
     ]
+
+
+def server_app(routes: list[Route], engine: EngineClient, chat: ServingChat, metrics: ServerMetrics,
+               state: lifecycle.ServerState, *, max_body_bytes: int, api_key: str | None, protect_metrics: bool,
+               max_header_bytes: int) -> Starlette:
+    """A server's own `routes` plus the operator routes, unknown paths and methods answered as OpenAI
+    errors, behind ApiKeyMiddleware (with `api_key`) and LifecycleMiddleware (outermost)."""
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        return OpenAIError(message, status=exc.status_code, code=code).response()
+
+    routes = routes + operator_routes(engine, chat, metrics, state, max_body_bytes)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
+    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state,
+                       max_header_bytes=max_header_bytes)  # outermost
+    app.state.engine = engine
+    app.state.lifecycle = state
+    app.state.metrics = metrics
+    return app

@@ -20,7 +20,6 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -188,8 +187,8 @@ def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int
                       state: lifecycle.ServerState | None = None, protect_metrics: bool = False,
                       max_header_bytes: int = lifecycle.DEFAULT_MAX_HEADER_BYTES) -> Starlette:
     """The ASGI app of a pooling engine (AsyncPoolingLLM), with the generate server's middleware."""
-    from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, _endpoint, read_json
-    from jaxserve.entrypoints.openai.operator_routes import operator_routes
+    from jaxserve.entrypoints.openai.http import _endpoint, read_json
+    from jaxserve.entrypoints.openai.operator_routes import server_app
     from jaxserve.entrypoints.openai.serving_chat import ServingChat
 
     metrics = ServerMetrics(engine)
@@ -206,22 +205,11 @@ def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int
             raise wrong_runner("pooling", path)
         return Route(path, _endpoint(handler), methods=["POST"])
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return OpenAIError(f"{exc.detail}: {request.method} {request.url.path}", status=exc.status_code).response()
-
     routes = [route("/v1/embeddings", EmbeddingRequest, serving.embeddings)]
     routes += [route(p, ScoreRequest, serving.score) for p in ("/score", "/v1/score")]
     routes += [route(p, RerankRequest, serving.rerank) for p in ("/rerank", "/v1/rerank", "/v2/rerank")]
     routes += [route("/classify", ClassificationRequest, serving.classify)]
     routes += [refuse(p) for p in GENERATE_ROUTES]
-    routes += operator_routes(engine, ServingChat(engine, metrics, None), metrics, state, max_body_bytes)
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
-    if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key, protect_metrics=protect_metrics)
-    app.add_middleware(lifecycle.LifecycleMiddleware, engine=engine, state=state,
-                       max_header_bytes=max_header_bytes)  # outermost
-    app.state.engine = engine
-    app.state.lifecycle = state
-    app.state.metrics = metrics
-    return app
+    return server_app(routes, engine, ServingChat(engine, metrics, None), metrics, state,
+                      max_body_bytes=max_body_bytes, api_key=api_key, protect_metrics=protect_metrics,
+                      max_header_bytes=max_header_bytes)
