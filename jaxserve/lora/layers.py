@@ -59,6 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxserve.lora.peft import LoRAWeights, module_dims
 from jaxserve.models.config import ModelConfig
+from jaxserve.quantization.matmul import model_mesh
 from pallas_kernels import lora_shrink_expand as kernel
 
 MODEL_AXIS = "model"
@@ -174,7 +175,7 @@ def kernel_delta(x: jax.Array, ab: dict[str, jax.Array], step: LoRAStep, name: s
     def local(x, slots, a, b):
         return kernel.lora_shrink_expand(x.astype(a.dtype), slots, a, b, rank=step.rank, interpret=interpret)
 
-    mesh = _model_mesh(a)
+    mesh = model_mesh(a, MODEL_AXIS)
     if mesh is None:
         return local(x, step.slots, a, b).astype(x.dtype) if kernel.supported(k, n, step.rank) else None
     tp = mesh.shape[MODEL_AXIS]
@@ -190,15 +191,6 @@ def kernel_delta(x: jax.Array, ab: dict[str, jax.Array], step: LoRAStep, name: s
     # (check_vma off: a pallas_call's output does not say how it varies over the mesh)
     out = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)(x, step.slots, a, b)
     return out.astype(x.dtype)
-
-
-def _model_mesh(a: jax.Array):
-    """The jit's mesh when the arrays are placed over a "model" axis of more than one device, else None."""
-    sharding = getattr(jax.typeof(a), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or dict(mesh.shape).get(MODEL_AXIS, 1) == 1:
-        return None
-    return mesh
 
 
 def add(y: jax.Array, lp: dict, name: str, x: jax.Array, step: LoRAStep | None,

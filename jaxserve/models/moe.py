@@ -73,7 +73,7 @@ from jaxserve.models.attention import PALLAS_BACKENDS
 from jaxserve.models.expert_weights import (ExpertWeight, expert_weight, first_leaf,
                                             grouped_matmul, is_packed)
 from jaxserve.models.expert_weights import num_experts as stack_size
-from jaxserve.quantization.matmul import matmul
+from jaxserve.quantization.matmul import matmul, model_mesh
 from jaxserve.quantization.qweight import QuantizedWeight
 
 SLOT_SIGMAS = 2.0  # the batched pass's slots per expert: the mean share + this many standard deviations
@@ -135,7 +135,8 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig).
     backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
     ids, weights = route(x, router, dots)  # the experts run in their weights' dtype (module docstring)
-    mesh = _expert_mesh(experts) if expert_parallel or backend in PALLAS_BACKENDS else None
+    mesh = model_mesh(first_leaf(experts.w_gate), MODEL_AXIS) if expert_parallel or backend in PALLAS_BACKENDS \
+        else None
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, backend, mesh)
     if mesh is None or not expert_parallel:
@@ -184,15 +185,6 @@ def _intermediate_split(x, ids, weights, experts: Experts, backend: str, mesh) -
 def _combine(y: jax.Array, weights: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """y [T, k, H], weights [T, k] -> [T, H] in `dtype`."""
     return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype)).astype(dtype)
-
-
-def _expert_mesh(experts: Experts):
-    """The jit's mesh when the experts are split over a "model" axis of more than one device."""
-    sharding = getattr(jax.typeof(first_leaf(experts.w_gate)), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or dict(mesh.shape).get(MODEL_AXIS, 1) == 1:
-        return None
-    return mesh
 
 
 def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str = "xla") -> jax.Array:

@@ -94,6 +94,15 @@ def columns(w: jax.Array | QuantizedWeight, start: jax.Array, size: int) -> jax.
                                scales=jax.lax.dynamic_slice_in_dim(w.scales, start, size, 1))
 
 
+def model_mesh(a: jax.Array, axis: str = "model"):
+    """The jit's mesh when `a` is placed over `axis` of more than one device (read from its aval),
+    else None: where a Pallas kernel, which has no partitioning rule, must run inside shard_map."""
+    mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+    if mesh is None or dict(mesh.shape).get(axis, 1) == 1:
+        return None
+    return mesh
+
+
 def w4a16_kernel(x: jax.Array, w: QuantizedWeight, interpret: bool = False) -> jax.Array:
     """x [..., K] @ w through the Pallas kernel. A tensor-parallel weight (`w.split`) runs it on each
     device's shard inside `shard_map` (a custom kernel has no partitioning rule, so XLA would gather
