@@ -197,7 +197,10 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
     flat = ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
-    swiglu = (lambda *a: _grouped_swiglu(*a, backend)) if grouped else _batched_swiglu
+    if grouped:
+        swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
+    else:  # packed stacks: unpacking every stack each step costs more than the loop over experts
+        swiglu = _looped_swiglu if is_packed(experts.w_gate) else _batched_swiglu
     y_sorted = swiglu(x[order // k], sizes, experts)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
@@ -288,13 +291,10 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not computed,
     output 0) -> [M, H]. Every expert's first C rows in one batched pass over all the weights
     (_stacked_swiglu); the rows of a group larger than C (a skewed batch) then go through
-    `_looped_swiglu`, which reads only the experts that have them. Nothing is dropped. Packed
-    stacks take `_looped_swiglu` for every row."""
+    `_looped_swiglu`, which reads only the experts that have them. Nothing is dropped."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
     starts = jnp.cumsum(sizes) - sizes  # [E]
-    if is_packed(experts.w_gate):  # unpacking every stack each step costs more than the loop over experts
-        return _looped_swiglu(lhs, starts, sizes, experts, jnp.zeros_like(lhs))
     pos = jnp.arange(c)
     valid = pos[None, :] < sizes[:, None]  # [E, C]
     rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
@@ -302,17 +302,19 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     ys = _stacked_swiglu(xs, experts)
     out = jnp.zeros_like(lhs).at[rows.reshape(-1)].set(ys.reshape(-1, lhs.shape[1]), mode="drop")
     left = jnp.maximum(sizes - c, 0)
-    return jax.lax.cond(jnp.any(left > 0), lambda: _looped_swiglu(lhs, starts + c, left, experts, out),
+    return jax.lax.cond(jnp.any(left > 0), lambda: _looped_swiglu(lhs, left, experts, starts + c, out),
                         lambda: out)
 
 
-def _looped_swiglu(lhs: jax.Array, starts: jax.Array, sizes: jax.Array, experts: Experts,
-                   out: jax.Array) -> jax.Array:
-    """Expert e's rows starts[e] .. starts[e] + sizes[e] of lhs [M, H] through it, written into out
-    [M, H]: rounds of C' slots, each a loop over the experts that skips one with no rows left (its
-    weights never read)."""
+def _looped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, starts: jax.Array | None = None,
+                   out: jax.Array | None = None) -> jax.Array:
+    """Expert e's rows starts[e] .. starts[e] + sizes[e] of lhs [M, H] (starts: the groups' own
+    starts when None) through it, written into out [M, H] (zeros when None): rounds of C slots, each
+    a loop over the experts that skips one with no rows left (its weights never read)."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
+    starts = jnp.cumsum(sizes) - sizes if starts is None else starts
+    out = jnp.zeros_like(lhs) if out is None else out
 
     def one_round(i, out):
         def expert(args):
