@@ -5,7 +5,8 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
 
     moe           moe.moe(x, router, experts): the engine's path choice (gather while T*k <= E, else
                   batched)
-    batched       the batched path forced (every expert's first C rows in three batched dots)
+    batched       the batched path forced (every expert's first C rows in three batched dots; packed
+                  stacks: the per-expert loop they take instead)
     gather        the gather path forced (a loop over the T*k rows, each reading its expert)
     ragged_dot    jax.lax.ragged_dot on the sorted rows (the candidate not chosen)
     (a) dense     a dense SwiGLU of the active width (top-k x I) at T rows
@@ -79,7 +80,8 @@ def forced(path: str):
             flat = ids.reshape(-1)
             order = jnp.argsort(flat, stable=True)
             sizes = jnp.bincount(flat, length=ex.num_experts)
-            y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(moe._batched_swiglu(x[order // k], sizes, ex))
+            sorted_path = moe._looped_swiglu if moe.is_packed(ex.w_gate) else moe._batched_swiglu  # as expert_swiglu
+            y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(sorted_path(x[order // k], sizes, ex))
             y = y.reshape(t, k, -1)
         return jnp.einsum("tkh,tk->th", y, weights)
     return run
@@ -147,7 +149,7 @@ def main() -> None:
         a = timeit(dense, x, *active, repeats=args.repeats)
         wide = (w(touched * i, h).T, w(touched * i, h).T, w(h, touched * i).T)
         b = timeit(dense, x[:1], *wide, repeats=args.repeats) + a
-        path = "gather" if t * TOP_K <= NUM_EXPERTS else "batched"
+        path = "gather" if t * TOP_K <= moe._gather_max_rows(ex) else "loop" if moe.is_packed(ex.w_gate) else "batched"
         ms = lambda s: f"{s * 1e3:.3f}" if s is not None else "-"  # noqa: E731
         print(f"| {t} | {touched} | {ms(times['moe'])} | {path} | {ms(a)} | {times['moe'] / a:.2f} | {ms(b)} | "
               f"{times['moe'] / b:.2f} | {ms(times['batched'])} | {ms(times.get('gather'))} | "
