@@ -78,7 +78,8 @@ def random_model(name: str, dtype: str):
     out = []
     for i, (path, shape) in enumerate(leaves):
         leaf = str(path[-1].key)
-        fan_in = shape[-2] if len(shape) > 1 and leaf != "embed" else 64
+        # dense leaves are [L, in, out]; the expert stacks [L, E, out, in]
+        fan_in = 64 if len(shape) < 2 or leaf == "embed" else shape[-1] if leaf.startswith("we_") else shape[-2]
         out.append(jax.jit(make, static_argnums=(0, 1, 2, 3))(i + 1, tuple(shape), "norm" in leaf, fan_in))
     params = jax.tree.unflatten(treedef, out)
     jax.block_until_ready(params)
