@@ -15,7 +15,7 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
                   width k x I at T rows, its time), summed
 
     .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts fp8_block|mxfp4]
-    .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / fp8_block / mxfp4 stacks
+    .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / bfloat16 / fp8_block / mxfp4 stacks
 
 --experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
 checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it
@@ -157,20 +157,26 @@ def main() -> None:
 
 
 def forms_table(hidden: int, repeats: int) -> None:
-    """moe.moe with the same routing over float32, block-wise fp8 and MXFP4 expert stacks, timed
-    side by side in one process (--forms)."""
+    """moe.moe with the same routing over float32, bfloat16 (with bfloat16 activations, as
+    `--dtype bfloat16` runs it), block-wise fp8 and MXFP4 expert stacks, timed side by side in one
+    process (--forms)."""
     ex, router, _ = layer(hidden)
     forms = {f: pack(ex, f) for f in ("float", "fp8_block", "mxfp4")}
+    forms["bfloat16"] = moe.Experts(*(w.astype(jnp.bfloat16) for w in (ex.w_gate, ex.w_up, ex.w_down)))
     run = jax.jit(moe.moe)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {hidden}, {NUM_EXPERTS} experts of "
-          f"width {int(hidden * WIDTH)}, top-{TOP_K}, x float32; moe.moe ms, median of {repeats}")
-    print("| tokens | float32 | fp8_block | fp8/float | mxfp4 | mxfp4/float |\n|---|---|---|---|---|---|")
+          f"width {int(hidden * WIDTH)}, top-{TOP_K}, x float32 (bfloat16 with the bfloat16 stacks); moe.moe ms, "
+          f"median of {repeats}")
+    print("| tokens | float32 | bfloat16 | bf16/float | fp8_block | fp8/float | mxfp4 | mxfp4/float |\n"
+          "|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(1)
     for t in TOKENS:
         x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
-        ms = {f: timeit(run, x, router, e, repeats=repeats) * 1e3 for f, e in forms.items()}
-        print(f"| {t} | {ms['float']:.3f} | {ms['fp8_block']:.3f} | {ms['fp8_block'] / ms['float']:.2f} | "
-              f"{ms['mxfp4']:.3f} | {ms['mxfp4'] / ms['float']:.2f} |", flush=True)
+        ms = {f: timeit(run, x.astype(jnp.bfloat16) if f == "bfloat16" else x, router, e, repeats=repeats) * 1e3
+              for f, e in forms.items()}
+        ratio = lambda f: f"{ms[f]:.3f} | {ms[f] / ms['float']:.2f}"  # noqa: E731
+        print(f"| {t} | {ms['float']:.3f} | {ratio('bfloat16')} | {ratio('fp8_block')} | {ratio('mxfp4')} |",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,22 @@ def test_moe_equals_a_loop_over_experts(num_tokens, skew):
         assert sizes.max() > moe.capacity(num_tokens * 2, 8)
 
 
+@pytest.mark.parametrize("num_tokens", [2, 40])  # gather path (T*k <= E / 2 for 16-bit stacks), batched path
+def test_bfloat16_experts_equal_the_loop_over_their_values(num_tokens):
+    """`--dtype bfloat16`: bfloat16 stacks and activations, products summed in float32."""
+    rng = np.random.default_rng(7)
+    base = _experts(rng)
+    ex = moe.Experts(*(w.astype(jnp.bfloat16) for w in (base.w_gate, base.w_up, base.w_down)))
+    x = jnp.asarray(rng.standard_normal((num_tokens, 16)), jnp.bfloat16)
+    router = moe.Router(jnp.asarray(rng.standard_normal((16, 8)), jnp.bfloat16), None, top_k=2, norm_topk_prob=True)
+    ids, weights = moe.route(x, router)
+    got = jax.jit(moe.moe)(x, router, ex)
+    assert got.dtype == jnp.bfloat16
+    as32 = moe.Experts(*(w.astype(jnp.float32) for w in (ex.w_gate, ex.w_up, ex.w_down)))
+    want = _reference(x.astype(jnp.float32), ids, weights, as32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=3e-2, atol=3e-2)
+
+
 def test_ids_past_the_experts_are_not_computed():
     """Expert parallelism marks other devices' rows with id E: they come out as 0 on both paths."""
     rng = np.random.default_rng(0)

@@ -24,7 +24,9 @@ experts, unpacks each touched one once for its rows (unpacking all the stacks fo
 dots cost 2-3x more: 70 against 28-34 ms at 64 tokens). The experts run in their weights' dtype:
 the CPU default's bfloat16 dots from 64 tokens (engine/config.py, bf16_dots_from) reach the
 router only; casting float32 stacks each step cost more than the dots saved (43 against 18 ms
-for the layer at 64 tokens).
+for the layer at 64 tokens). Every expert product sums in float32: bfloat16 stacks
+(`--dtype bfloat16`) with 16-bit results made XLA:CPU convert whole stacks each step (3-10x
+slower from 16 tokens); they take the gather path to E / 2 rows only.
 
 Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
@@ -209,9 +211,13 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
 def _gather_max_rows(experts: Experts) -> int:
     """The most rows (T*k) the gather path takes: E (it reads an expert per row, the batched path
     every expert), but 8 for fp8 stacks, whose per-row dequantization costs more than the
-    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py)."""
+    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py),
+    and E / 2 for 16-bit stacks (`--dtype bfloat16`), whose one-row products are slower on XLA:CPU
+    and batched ones faster (5.2 against 5.8 ms at 8 tokens, 10.9 against 5.0 at 12)."""
     if isinstance(experts.w_gate, QuantizedWeight):
         return 8
+    if not is_packed(experts.w_gate) and jnp.dtype(experts.w_gate.dtype).itemsize == 2:
+        return experts.num_experts // 2
     return experts.num_experts
 
 
@@ -220,7 +226,8 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     float expert's slice, transpose and dot fuse into one XLA:CPU loop that reads it once; a
     dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
     weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  [K, N] (packed: this expert dequantized)
-    dot = lambda a, w: a.astype(w.dtype) @ w  # noqa: E731  (each product in the weights' dtype, as the kernel's)
+    # each product in the weights' dtype, as the kernel's, summed in float32 (as _stacked_swiglu's)
+    dot = lambda a, w: jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)  # noqa: E731
     gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
@@ -232,7 +239,10 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them."""
     wg, wu, wd = experts.w_gate, experts.w_up, experts.w_down  # float stacks (packed ones loop: _batched_swiglu)
-    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims)  # noqa: E731
+    # Summed in float32: with 16-bit results XLA:CPU converts the whole bfloat16 stacks to float32
+    # every step (the layer 65 against 14 ms at 64 tokens, 55 against 4.8 at 1 with this pass).
+    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims,  # noqa: E731
+                                                 preferred_element_type=jnp.float32)
     batched = (((2,), (2,)), ((0,), (0,)))  # w [E, N, K] . x [E, C, K] -> [E, N, C]
     gate, up = dot(wg, xs, batched), dot(wu, xs, batched)  # [E, I, C]
     if experts.b_gate is not None:
