@@ -68,7 +68,7 @@ def server_command(peer: str, args, port: int) -> list[str]:
     if peer == "llamacpp":
         if not args.llama_server:
             raise SystemExit("--llama-server PATH is needed for the llamacpp peer")
-        return [args.llama_server, "-m", default_gguf(), "-np", str(max(args.concurrency)),
+        return [args.llama_server, "-m", args.gguf or default_gguf(), "-np", str(max(args.concurrency)),
                 "-c", str(2048 * max(args.concurrency)), "-t", str(args.threads), "-cb",
                 "--host", "127.0.0.1", "--port", str(port)]
     if peer == "transformers":
@@ -127,6 +127,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"))
     p.add_argument("--threads", type=int, default=2, help="llama-server threads")
+    p.add_argument("--gguf", default=None, help="llama-server's model (default: the default model's GGUF); "
+                   "with jaxserve on another model too, pass it in --jaxserve-args --model DIR")
     p.add_argument("--hf-dir", default=None, help="HF-format directory for transformers serve")
     p.add_argument("--jaxserve-args", nargs=argparse.REMAINDER, default=None,
                    help="flags for jaxserve serve (last on the line)")

@@ -213,7 +213,7 @@ def _gather_max_rows(experts: Experts) -> int:
     every expert), but 8 for fp8 stacks, whose per-row dequantization costs more than the
     per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py),
     and E / 2 for 16-bit stacks (`--dtype bfloat16`), whose one-row products are slower on XLA:CPU
-    and batched ones faster (5.2 against 5.8 ms at 8 tokens, 10.9 against 5.0 at 12)."""
+    and batched ones faster (gather 5.2 against batched 5.8 ms at 8 tokens, 10.9 against 5.0 at 12)."""
     if isinstance(experts.w_gate, QuantizedWeight):
         return 8
     if not is_packed(experts.w_gate) and jnp.dtype(experts.w_gate.dtype).itemsize == 2:
