@@ -16,6 +16,13 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
 
     .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts fp8_block|mxfp4]
     .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / bfloat16 / fp8_block / mxfp4 stacks
+    .venv/bin/python scripts/bench_moe.py --scan 4    # as the engine runs it: in a scan over 4 layers
+
+--scan L runs the moe paths inside a `lax.scan` over L layers of their own weights, as the
+engine's layer scan does (llama.run_layers: the experts handed over as expert_weights.LayerStack,
+read at (layer, expert)), and the bounds over L layers of their own arrays, each read once (an
+unrolled loop: a scan's slices would be copied first), and reports milliseconds per layer. The
+stacks then come from memory, not the cache, as in a served model.
 
 --experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
 checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it
@@ -119,6 +126,69 @@ def layer(hidden: int, seed: int = 0):
     return ex, moe.Router(w(NUM_EXPERTS, hidden).T, None, TOP_K, True), w
 
 
+def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) -> None:
+    """--scan: the moe paths and the bounds, each in a scan over `num_layers` layers (ms per layer)."""
+    from jaxserve.models.expert_weights import LayerStack, resolve
+
+    i = int(hidden * WIDTH)
+    made = [layer(hidden, seed=s) for s in range(num_layers)]
+    w = made[0][2]
+    stacks = jax.tree.map(lambda *a: jnp.stack(a), *[ex for ex, _, _ in made])  # [L, E, N, K] each
+    routers = jnp.stack([r.weight for _, r, _ in made])  # [L, H, E]
+
+    def scanned(path: str):
+        def run(x, stacks, routers):
+            def body(h, xs):
+                rw, li = xs
+                ex = moe.Experts(*(LayerStack(s, li) for s in (stacks.w_gate, stacks.w_up, stacks.w_down)))
+                router = moe.Router(rw, None, TOP_K, True)
+                if path == "moe":
+                    return h + moe.moe(h, router, ex), None
+                if path == "looped":  # the per-expert loop forced (the engine's choice past gather)
+                    ids, weights = moe.route(h, router)
+                    t, k = ids.shape
+                    flat = ids.reshape(-1)
+                    order = jnp.argsort(flat, stable=True)
+                    sizes = jnp.bincount(flat, length=NUM_EXPERTS)
+                    y = jnp.zeros((t * k, h.shape[1]), h.dtype).at[order].set(
+                        moe._looped_swiglu(h[order // k], sizes, ex)).reshape(t, k, -1)
+                    return h + jnp.einsum("tkh,tk->th", y, weights), None
+                if path == "batched":  # the layer's stacks copied out for the batched dots
+                    ex = moe.Experts(*(resolve(s) for s in (ex.w_gate, ex.w_up, ex.w_down)))
+                return h + forced(path)(h, router, ex), None
+            return jax.lax.scan(body, x, (routers, jnp.arange(num_layers)))[0]
+        return jax.jit(run)
+
+    def dense_layers(x, layers):  # the bounds read each layer's weights once: its own arrays, unrolled
+        for ws in layers:
+            x = x + dense_swiglu(x, *ws)
+        return x
+
+    dense = jax.jit(dense_layers)
+    stackw = lambda *shape: [w(*shape).T for _ in range(num_layers)]  # noqa: E731  L arrays [in, out]
+    active = (stackw(TOP_K * i, hidden), stackw(TOP_K * i, hidden), stackw(hidden, TOP_K * i))
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {hidden}, {NUM_EXPERTS} experts of "
+          f"width {i}, top-{TOP_K}, float32; a scan over {num_layers} layers, ms per layer, median of {repeats}")
+    print("| tokens | touched | moe ms | (a) ms | moe/(a) | (b) ms | moe/(b) | looped ms | gather ms | batched ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    fns = {p: scanned(p) for p in ("moe", "looped", "gather", "batched")}
+    rng = np.random.default_rng(1)
+    for t in tokens:
+        x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
+        ids, _ = moe.route(x, made[0][1])
+        touched = int(np.unique(np.asarray(ids)).size)
+        per = {p: timeit(f, x, stacks, routers, repeats=repeats) / num_layers
+               for p, f in fns.items() if not (p == "gather" and t > 64)}
+        a = timeit(dense, x, list(zip(*active)), repeats=repeats) / num_layers
+        wide = (stackw(touched * i, hidden), stackw(touched * i, hidden), stackw(hidden, touched * i))
+        b = timeit(dense, x[:1], list(zip(*wide)), repeats=repeats) / num_layers + a
+        del wide
+        ms = lambda v: f"{v * 1e3:.3f}" if v is not None else "-"  # noqa: E731
+        print(f"| {t} | {touched} | {ms(per['moe'])} | {ms(a)} | {per['moe'] / a:.2f} | {ms(b)} | "
+              f"{per['moe'] / b:.2f} | {ms(per['looped'])} | {ms(per.get('gather'))} | {ms(per['batched'])} |",
+              flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
@@ -183,5 +253,14 @@ if __name__ == "__main__":
     if "--forms" in sys.argv:
         sys.argv.remove("--forms")
         forms_table(512, 10)
+    elif "--scan" in sys.argv:
+        at = sys.argv.index("--scan")
+        layers_arg = int(sys.argv[at + 1])
+        del sys.argv[at:at + 2]
+        rest = argparse.ArgumentParser()
+        rest.add_argument("--repeats", type=int, default=10)
+        rest.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+        opts = rest.parse_args()
+        scan_table(512, layers_arg, opts.repeats, opts.tokens)
     else:
         main()

@@ -47,6 +47,7 @@ def default_gguf() -> str:
 
 # jaxserve peers: the flags each adds to `jaxserve serve` (before --jaxserve-args)
 JAXSERVE_PEERS = {"jaxserve": [], "jaxserve-int8": ["--quantization", "int8"],
+                  "jaxserve-bf16": ["--dtype", "bfloat16"],  # bfloat16 weights (the CPU default: float32)
                   # int8 weights; on one CPU device the defaults add n-gram drafts (k = 4)
                   "jaxserve-cpu": ["--quantization", "int8", "--kv-cache-dtype", "bfloat16", "--block-size", "64"],
                   # the same, with n-gram speculative decoding in the batch's tail (drafts take the

@@ -47,7 +47,7 @@ def test_moe_equals_a_loop_over_experts(num_tokens, skew):
         assert sizes.max() > moe.capacity(num_tokens * 2, 8)
 
 
-@pytest.mark.parametrize("num_tokens", [2, 40])  # gather path (T*k <= E / 2 for 16-bit stacks), batched path
+@pytest.mark.parametrize("num_tokens", [2, 40])  # gather path, batched path
 def test_bfloat16_experts_equal_the_loop_over_their_values(num_tokens):
     """`--dtype bfloat16`: bfloat16 stacks and activations, products summed in float32."""
     rng = np.random.default_rng(7)
@@ -61,6 +61,55 @@ def test_bfloat16_experts_equal_the_loop_over_their_values(num_tokens):
     as32 = moe.Experts(*(w.astype(jnp.float32) for w in (ex.w_gate, ex.w_up, ex.w_down)))
     want = _reference(x.astype(jnp.float32), ids, weights, as32)
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("form", ["float", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [3, 40])  # gather path, the per-expert loop
+def test_a_layer_read_lazily_from_the_stack_of_layers_equals_its_own_stacks(form, num_tokens):
+    """The layer scan hands the experts over as LayerStack(stack [L, E, ...], layer): every path reads
+    (layer, expert) in one slice and gives what the layer's own [E, ...] stacks give."""
+    from jaxserve.models.expert_weights import LayerStack
+    from jaxserve.quantization.mxfp4 import Mxfp4Weight
+    from jaxserve.quantization.qweight import QuantizedWeight
+
+    def pack(w):  # [E, N, K] float32 -> the form, as a checkpoint of it loads (values: any)
+        e, n, k = w.shape
+        if form == "fp8_block":  # 32 x 32 blocks
+            scales = np.abs(np.asarray(w).reshape(e, n // 32, 32, k // 32, 32)).max(axis=(2, 4)) / 448.0
+            q = np.asarray(w) / np.repeat(np.repeat(scales, 32, 1), 32, 2)
+            return QuantizedWeight(jnp.asarray(q).astype(jnp.float8_e4m3fn), jnp.asarray(scales, jnp.float32),
+                                   scheme="fp8_block", group_size=32, block_cols=32)
+        if form == "mxfp4":
+            return Mxfp4Weight(jnp.asarray(rng.integers(0, 256, (e, n, k // 32, 16), dtype=np.uint8)),
+                               jnp.asarray(rng.integers(122, 128, (e, n, k // 32), dtype=np.uint8)))
+        return w
+
+    rng = np.random.default_rng(num_tokens)
+    layers = [moe.Experts(*map(pack, (ex.w_gate, ex.w_up, ex.w_down)))
+              for ex in (_experts(rng, e=8, h=64, i=64) for _ in range(3))]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)  # every leaf [3, ...]
+    x = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.float32)
+    router = moe.Router(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32), None, top_k=2, norm_topk_prob=True)
+    lazy = lambda x, st, l: moe.moe(x, router, moe.Experts(*(LayerStack(w, l) for w in  # noqa: E731
+                                                            (st.w_gate, st.w_up, st.w_down))))
+    for layer in (0, 2):
+        got = jax.jit(lazy)(x, stacked, jnp.int32(layer))
+        want = jax.jit(moe.moe)(x, router, layers[layer])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_rows_are_routed_nowhere():
+    """`valid` (the step's real tokens): padding rows come out 0 and leave the real rows as they
+    are, however many of them pick the same experts."""
+    rng = np.random.default_rng(3)
+    ex = _experts(rng)
+    router = moe.Router(jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), None, top_k=2, norm_topk_prob=True)
+    real = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
+    for bucket in (8, 64):  # gather path, batched path (59 alike padding rows overflow two experts' slots)
+        x = jnp.concatenate([real, jnp.zeros((bucket - 5, 16), jnp.float32)])
+        got = jax.jit(moe.moe)(x, router, ex, valid=jnp.arange(bucket) < 5)
+        np.testing.assert_allclose(got[:5], jax.jit(moe.moe)(real, router, ex), rtol=1e-5, atol=1e-5)
+        assert not np.any(np.asarray(got[5:]))
 
 
 def test_ids_past_the_experts_are_not_computed():

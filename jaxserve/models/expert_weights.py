@@ -23,6 +23,8 @@ reads the packed bytes of the experts it touches and nothing else.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 
@@ -33,8 +35,29 @@ from pallas_kernels.grouped_matmul import align_block_size, num_row_blocks
 from pallas_kernels.grouped_matmul import grouped_matmul as pallas_grouped_matmul
 from pallas_kernels.grouped_matmul import supported as pallas_supported
 
-ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight
 XLA_BLOCK_M = 8  # rows per block of the XLA grouped path (a block's expert is dequantized once)
+EXPERT_STACKS = ("we_gate", "we_up", "we_down")  # a MoE layer's expert stacks, [L, E, out, in] in the params
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerStack:
+    """Layer `layer` of every layer's stack ([L, E, N, K] in any form above), read lazily: a reader
+    indexes the layer and the expert in one slice inside its own loop. The layer scan
+    (llama.run_layers) hands the expert stacks over this way: sliced by the scan, each layer's
+    stacks were copied out whole every step before the per-expert loop read a few experts (a
+    1-token step of a 16-layer MoE ran 20 ms a layer, not 0.5). Paths that take whole stacks
+    (batched dots, shard_maps, the Pallas kernel) `resolve` it to the layer's [E, N, K]."""
+    stack: "ExpertWeight"
+    layer: jax.Array  # i32 scalar
+
+
+ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight | LayerStack
+
+
+def resolve(w: ExpertWeight) -> ExpertWeight:
+    """The layer's own [E, N, K] stack of a LayerStack (a copy of it, on XLA); other forms as they are."""
+    return jax.tree.map(lambda a: a[w.layer], w.stack) if isinstance(w, LayerStack) else w
 
 
 def check_expert_weight(w: ExpertWeight) -> None:
@@ -45,16 +68,17 @@ def check_expert_weight(w: ExpertWeight) -> None:
 
 
 def first_leaf(w: ExpertWeight) -> jax.Array:
-    """The array whose leading axis is the expert axis (its sharding is the stack's)."""
-    return jax.tree.leaves(w)[0]
+    """The array whose leading axis is the expert axis, after the layer axis of a LayerStack (its
+    sharding is the stack's)."""
+    return jax.tree.leaves(w.stack if isinstance(w, LayerStack) else w)[0]
 
 
 def num_experts(w: ExpertWeight) -> int:
-    return first_leaf(w).shape[0]
+    return first_leaf(w).shape[1 if isinstance(w, LayerStack) else 0]
 
 
 def is_packed(w: ExpertWeight) -> bool:
-    return isinstance(w, (QuantizedWeight, Mxfp4Weight))
+    return isinstance(w.stack if isinstance(w, LayerStack) else w, (QuantizedWeight, Mxfp4Weight))
 
 
 def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -62,6 +86,10 @@ def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
     stack: its own dtype); only that expert's bytes are read. A float expert is `w[e].T`: XLA:CPU
     fuses the slice and transpose into the product; a packed one is dequantized (a temporary:
     about 60 us for a 192 x 512 fp8 expert on XLA:CPU, the price of fp8 experts at decode there)."""
+    if isinstance(w, LayerStack):  # the layer and the expert in one slice (no copy of the layer)
+        if not is_packed(w):
+            return w.stack[w.layer, e].T
+        w, e = jax.tree.map(lambda a: a[w.layer, e][None], w.stack), jnp.zeros((), jnp.int32)  # [1, ...]
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, jnp.reshape(e, (1,)), dtype)[0].T
     if isinstance(w, QuantizedWeight):
@@ -73,6 +101,7 @@ def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
 
 def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """Experts `expert_ids` (i32[B], clipped into range) -> [B, N, K] in `dtype`."""
+    w = resolve(w)
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, expert_ids, dtype)
     ids = jnp.clip(expert_ids.astype(jnp.int32), 0, num_experts(w) - 1)
@@ -84,6 +113,7 @@ def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> ja
 
 def whole(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
     """The whole stack [E, N, K] in `dtype`."""
+    w = resolve(w)
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, jnp.arange(num_experts(w)), dtype)
     if isinstance(w, QuantizedWeight):
@@ -97,7 +127,7 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     """lhs [M, K] sorted by expert (group e: the next group_sizes[e] rows; rows past their sum
     get 0) times each row's expert -> [M, N] in lhs.dtype. `dtype`: the operands' dtype (float32
     accumulation); None: lhs's. See the module docstring for the paths."""
-    dtype = dtype or lhs.dtype
+    dtype, w = dtype or lhs.dtype, resolve(w)
     num_blocks = num_row_blocks(lhs.shape[0], num_experts(w), XLA_BLOCK_M)  # static
     if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
         w = whole(w, dtype)

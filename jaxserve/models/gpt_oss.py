@@ -85,14 +85,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla") -> jax.Array:
+def ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla",
+        valid: jax.Array | None = None) -> jax.Array:
     """x [T, H] -> [T, H]: the routed experts (gpt-oss has no dense layers and no shared expert);
-    `backend`: the step's ("pallas": moe.moe's grouped matmul kernel, biases added per row)."""
+    `backend`: the step's ("pallas": moe.moe's grouped matmul kernel, biases added per row);
+    `valid`: the step's real tokens (moe.moe)."""
     m = _moe(cfg)
     router = Router(lp["router"], lp["router_bias"], m.num_experts_per_tok, False, m.router)
     experts = Experts(lp["we_gate"], lp["we_up"], lp["we_down"], lp["be_gate"], lp["be_up"], lp["be_down"],
                       ClampedSwiGLU(m.swiglu_alpha, m.swiglu_limit))
-    return moe(x, router, experts, dots, m.expert_parallel, backend)
+    return moe(x, router, experts, dots, m.expert_parallel, backend, valid)
 
 
 def partition_rules(cfg: ModelConfig, tp: int) -> dict:

@@ -42,6 +42,7 @@ from jaxserve.models import attention, registry
 from jaxserve.lora import layers as lora
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.expert_weights import EXPERT_STACKS, LayerStack
 from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
 from jaxserve.models.rope import apply_rope, attention_scale, inv_frequencies
 
@@ -142,10 +143,15 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
     dots = jnp.bfloat16 if bf16_dots_from and h.shape[0] >= bf16_dots_from else None
 
     ffn = registry.get_family(cfg.architecture).ffn  # Llama's dense MLP, or a family's experts
+    # MoE expert stacks stay whole, read lazily at (layer, expert) by the expert block: sliced by the
+    # scan, each layer's stacks were copied out every step (expert_weights.LayerStack).
+    lazy = {k: layers[k] for k in EXPERT_STACKS if k in layers}
+    layers = {k: v for k, v in layers.items() if k not in lazy}
 
     def layer_body(carry, xs):
         h, k_cache, v_cache = carry
         lp, layer = xs
+        lp = {**lp, **{k: LayerStack(v, layer) for k, v in lazy.items()}}
         attn_out, (k_cache, v_cache) = _attention_block(
             cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
             (k_cache, v_cache), md, layer, inv_freq, dots, lora_step)
@@ -154,7 +160,7 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
         if lora_step is None and ffn is dense_mlp:
             h = h + dense_mlp(cfg, lp, x, dots)
         elif lora_step is None:  # a family's block, told the backend (MoE: the Pallas grouped matmul)
-            h = h + ffn(cfg, lp, x, dots, backend=backend)
+            h = h + ffn(cfg, lp, x, dots, backend=backend, valid=md.slot_mapping >= 0)  # valid: no padding
         elif ffn is dense_mlp:
             h = h + dense_mlp(cfg, lp, x, dots, lora_step=lora_step)
         else:
@@ -162,7 +168,7 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
                              "is a mixture of experts")
         return (h, k_cache, v_cache), None
 
-    num_layers = jax.tree.leaves(layers)[0].shape[0]
+    num_layers = jax.tree.leaves(layers["attn_norm"])[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
     return (k_cache, v_cache), h

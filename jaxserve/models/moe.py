@@ -7,7 +7,18 @@
                    C rows in one pass of three batched dots over all the stacks; the rows of a
                    group larger than C go through a loop over the experts that still have rows
                    (nothing is dropped)
+                   -- in the engine (stacks read lazily, below) and for packed stacks: that loop
+                   over the touched experts for every row
     y [T, k, H] -> sum_k weights * y -> [T, H]
+
+In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
+(expert_weights.LayerStack): the gather path and the loop read (layer, expert) in one slice. The
+scan's own per-layer slices were copied out whole before any path ran -- three 50 MB copies a
+layer a step at Qwen3-30B-A3B's quarter width: 20 ms a layer at 1 token where the layer takes
+0.5 (scripts/bench_moe.py --scan). The batched dots need the layer's stacks whole, so there they
+pay that copy and lose to the loop at every size measured (4 layers of 128 experts: 35 against
+26 ms a layer at 32 tokens, 40 against 32 at 64, 50 against 47 at 256). Padding rows of a step
+(`valid`) are routed nowhere: alike, they would all pick the same experts and overflow them.
 
 Every expert stack is output-major, [E, N, K] (each expert [out, in], as nn.Linear and the hub
 store it; expert_weights.py), in every form. `expert_swiglu` is the one place the path is
@@ -24,9 +35,7 @@ experts, unpacks each touched one once for its rows (unpacking all the stacks fo
 dots cost 2-3x more: 70 against 28-34 ms at 64 tokens). The experts run in their weights' dtype:
 the CPU default's bfloat16 dots from 64 tokens (engine/config.py, bf16_dots_from) reach the
 router only; casting float32 stacks each step cost more than the dots saved (43 against 18 ms
-for the layer at 64 tokens). Every expert product sums in float32: bfloat16 stacks
-(`--dtype bfloat16`) with 16-bit results made XLA:CPU convert whole stacks each step (3-10x
-slower from 16 tokens); they take the gather path to E / 2 rows only.
+for the layer at 64 tokens).
 
 Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
@@ -72,8 +81,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.attention import PALLAS_BACKENDS
-from jaxserve.models.expert_weights import (ExpertWeight, expert_weight, first_leaf,
-                                            grouped_matmul, is_packed)
+from jaxserve.models.expert_weights import (ExpertWeight, LayerStack, expert_weight, first_leaf,
+                                            grouped_matmul, is_packed, resolve)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul, model_mesh
 from jaxserve.quantization.qweight import QuantizedWeight
@@ -132,11 +141,18 @@ def route(x: jax.Array, router: Router, dots: jnp.dtype | None = None) -> tuple[
 
 
 def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None = None,
-        expert_parallel: bool = False, backend: str = "xla") -> jax.Array:
+        expert_parallel: bool = False, backend: str = "xla", valid: jax.Array | None = None) -> jax.Array:
     """x [T, H] -> [T, H]: each token through its top-k experts, weighted by the router.
     expert_parallel: the experts' leading axis is split over the "model" axis (MoeConfig).
-    backend: the step's attention backend ("pallas": the grouped matmul kernel, see above)."""
+    backend: the step's attention backend ("pallas": the grouped matmul kernel, see above).
+    valid [T] bool: the step's real tokens (None: all); padding rows are routed nowhere (output 0)
+    -- alike, they would all pick the same k experts and overflow their slots."""
     ids, weights = route(x, router, dots)  # the experts run in their weights' dtype (module docstring)
+    if valid is not None:
+        ids = jnp.where(valid[:, None], ids, experts.num_experts)  # id E: a row nobody computes
+        weights = jnp.where(valid[:, None], weights, 0.0)
+    if expert_parallel or backend in PALLAS_BACKENDS:  # shard_maps and the kernel take the layer's stacks
+        experts = _resolved(experts)
     mesh = model_mesh(first_leaf(experts.w_gate), MODEL_AXIS) if expert_parallel or backend in PALLAS_BACKENDS \
         else None
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
@@ -154,6 +170,16 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones, biases too) is [E, ...]
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
+
+
+def _resolved(experts: Experts) -> Experts:
+    """The layer's own stacks of lazily read ones (expert_weights.LayerStack)."""
+    return replace(experts, w_gate=resolve(experts.w_gate), w_up=resolve(experts.w_up),
+                   w_down=resolve(experts.w_down))
+
+
+def _stored(w: ExpertWeight) -> ExpertWeight:
+    return w.stack if isinstance(w, LayerStack) else w
 
 
 def _kernel_on_slices(experts: Experts, mesh) -> bool:
@@ -201,8 +227,10 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
     sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
     if grouped:
         swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
-    else:  # packed stacks: unpacking every stack each step costs more than the loop over experts
-        swiglu = _looped_swiglu if is_packed(experts.w_gate) else _batched_swiglu
+    else:  # packed stacks: unpacking every stack each step costs more than the loop over experts; a
+        # LayerStack: the batched dots would copy the layer's stacks out first (module docstring)
+        lazy = isinstance(experts.w_gate, LayerStack)
+        swiglu = _looped_swiglu if is_packed(experts.w_gate) or lazy else _batched_swiglu
     y_sorted = swiglu(x[order // k], sizes, experts)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
@@ -211,13 +239,9 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
 def _gather_max_rows(experts: Experts) -> int:
     """The most rows (T*k) the gather path takes: E (it reads an expert per row, the batched path
     every expert), but 8 for fp8 stacks, whose per-row dequantization costs more than the
-    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py),
-    and E / 2 for 16-bit stacks (`--dtype bfloat16`), whose one-row products are slower on XLA:CPU
-    and batched ones faster (gather 5.2 against batched 5.8 ms at 8 tokens, 10.9 against 5.0 at 12)."""
-    if isinstance(experts.w_gate, QuantizedWeight):
+    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py)."""
+    if isinstance(_stored(experts.w_gate), QuantizedWeight):
         return 8
-    if not is_packed(experts.w_gate) and jnp.dtype(experts.w_gate.dtype).itemsize == 2:
-        return experts.num_experts // 2
     return experts.num_experts
 
 
@@ -226,8 +250,7 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     float expert's slice, transpose and dot fuse into one XLA:CPU loop that reads it once; a
     dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
     weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  [K, N] (packed: this expert dequantized)
-    # each product in the weights' dtype, as the kernel's, summed in float32 (as _stacked_swiglu's)
-    dot = lambda a, w: jnp.matmul(a.astype(w.dtype), w, preferred_element_type=jnp.float32)  # noqa: E731
+    dot = lambda a, w: a.astype(w.dtype) @ w  # noqa: E731  (each product in the weights' dtype, as the kernel's)
     gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
     if experts.b_gate is not None:
         gate, up = gate + experts.b_gate[e], up + experts.b_up[e]
@@ -238,11 +261,9 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
 def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them."""
-    wg, wu, wd = experts.w_gate, experts.w_up, experts.w_down  # float stacks (packed ones loop: _batched_swiglu)
-    # Summed in float32: with 16-bit results XLA:CPU converts the whole bfloat16 stacks to float32
-    # every step (the layer 65 against 14 ms at 64 tokens, 55 against 4.8 at 1 with this pass).
-    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims,  # noqa: E731
-                                                 preferred_element_type=jnp.float32)
+    # float stacks (packed ones loop: expert_swiglu), the layer's own (a LayerStack's copied out)
+    wg, wu, wd = resolve(experts.w_gate), resolve(experts.w_up), resolve(experts.w_down)
+    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims)  # noqa: E731
     batched = (((2,), (2,)), ((0,), (0,)))  # w [E, N, K] . x [E, C, K] -> [E, N, C]
     gate, up = dot(wg, xs, batched), dot(wu, xs, batched)  # [E, I, C]
     if experts.b_gate is not None:

@@ -69,16 +69,17 @@ def moe_param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla") -> jax.Array:
+def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla",
+            valid: jax.Array | None = None) -> jax.Array:
     """One layer's feed-forward block: the routed experts (+ the gated shared expert), or the
     dense MLP in a dense layer of a mixed model. backend: the step's ("pallas": moe.moe's grouped
-    matmul kernel)."""
+    matmul kernel); valid: the step's real tokens (moe.moe)."""
     m = _moe(cfg)
 
     def sparse(x: jax.Array) -> jax.Array:
         router = Router(lp["router"], None, m.num_experts_per_tok, m.norm_topk_prob, m.router)
         out = moe(x, router, Experts(lp["we_gate"], lp["we_up"], lp["we_down"]), dots, m.expert_parallel,
-                  backend)
+                  backend, valid)
         if m.shared_expert_intermediate_size:
             gate = jax.nn.sigmoid(x @ lp["ws_router"])  # [T, 1]
             out = out + gate * dense_mlp(cfg, lp, x, dots, prefix="ws")

@@ -29,6 +29,7 @@ from jaxserve.constants import CPU_MAX_MODEL_LEN
 from jaxserve.lora.layers import slot_specs
 from jaxserve.lora.peft import module_dims
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.expert_weights import EXPERT_STACKS
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
 from jaxserve.parallel.stages import stage_layer_ranges  # noqa: F401  (also read as sizing.stage_layer_ranges)
@@ -40,7 +41,7 @@ CHUNKED_PREFILL_TOKENS = 512  # a step's token budget with chunked prefill, unle
 # allocator's fragmentation need the rest, and a server sized to 0.98 dies of OOM at its first long batch.
 MAX_GPU_MEMORY_UTILIZATION = 0.95
 MATMUL_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-EXPERT_LEAVES = ("we_gate", "we_up", "we_down")  # a MoE layer's stacked experts [L, E, out, in]
+EXPERT_LEAVES = EXPERT_STACKS  # a MoE layer's stacked experts [L, E, out, in]
 
 
 @dataclass(frozen=True)
