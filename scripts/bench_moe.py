@@ -178,7 +178,7 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) ->
         ids, _ = moe.route(x, made[0][1])
         touched = int(np.unique(np.asarray(ids)).size)
         per = {p: timeit(f, x, stacks, routers, repeats=repeats) / num_layers
-               for p, f in fns.items() if not (p == "gather" and t > 64)}
+               for p, f in fns.items() if not (p == "gather" and t > 256)}
         a = timeit(dense, x, list(zip(*active)), repeats=repeats) / num_layers
         wide = (stackw(touched * i, hidden), stackw(touched * i, hidden), stackw(hidden, touched * i))
         b = timeit(dense, x[:1], list(zip(*wide)), repeats=repeats) / num_layers + a

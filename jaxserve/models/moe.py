@@ -7,8 +7,8 @@
                    C rows in one pass of three batched dots over all the stacks; the rows of a
                    group larger than C go through a loop over the experts that still have rows
                    (nothing is dropped)
-                   -- in the engine (stacks read lazily, below) and for packed stacks: that loop
-                   over the touched experts for every row
+                   -- in the engine (stacks read lazily, below): gather to T*k <= 4E, then that
+                   loop for every row; packed stacks: that loop for every row
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
 In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
@@ -16,8 +16,8 @@ In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and 
 scan's own per-layer slices were copied out whole before any path ran -- three 50 MB copies a
 layer a step at Qwen3-30B-A3B's quarter width: 20 ms a layer at 1 token where the layer takes
 0.5 (scripts/bench_moe.py --scan). The batched dots need the layer's stacks whole, so there they
-pay that copy and lose to the loop at every size measured (4 layers of 128 experts: 35 against
-26 ms a layer at 32 tokens, 40 against 32 at 64, 50 against 47 at 256). Padding rows of a step
+pay that copy and lose to the loop at every size measured (4 layers of 128 experts: 32 against
+23 ms a layer at 32 tokens, 35 against 28 at 64, 47 against 41 at 256). Padding rows of a step
 (`valid`) are routed nowhere: alike, they would all pick the same experts and overflow them.
 
 Every expert stack is output-major, [E, N, K] (each expert [out, in], as nn.Linear and the hub
@@ -54,7 +54,8 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
     tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
   * the gather path reads k experts per row, the batched one every expert: gather while
-    T*k <= E (at 16 tokens: 10.5 against 13.4 ms; at 32, 19.5 against 15.1).
+    T*k <= E (at 16 tokens: 10.5 against 13.4 ms; at 32, 19.5 against 15.1); in the layer scan
+    (LayerStack) while T*k <= 4E (_gather_max_rows).
   * the floor at 64+ tokens: a batched dot ran as fast on one core as on two (4 slots), a large
     2D dot 3x faster on two: the bound's dense product uses both cores, these dots mostly one.
 Against the bounds (BENCHMARKS.md, "MoE layer"): 1.03x the dense layer of the active width at 1
@@ -239,9 +240,16 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
 def _gather_max_rows(experts: Experts) -> int:
     """The most rows (T*k) the gather path takes: E (it reads an expert per row, the batched path
     every expert), but 8 for fp8 stacks, whose per-row dequantization costs more than the
-    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py)."""
-    if isinstance(_stored(experts.w_gate), QuantizedWeight):
+    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py),
+    and 4E for float stacks read lazily in the layer scan, where the rows sorted by expert re-read
+    each expert from the cache and the loop's dots copy each expert first (`bench_moe.py --scan 4`,
+    ms a layer, gather against loop: 14.2 / 22.8 at 32 tokens, 20.7 / 28.3 at 64, 28.7 / 32.6 at
+    128, 44.6 / 40.7 at 256)."""
+    stored = _stored(experts.w_gate)
+    if isinstance(stored, QuantizedWeight):
         return 8
+    if isinstance(experts.w_gate, LayerStack) and not is_packed(stored):
+        return 4 * experts.num_experts
     return experts.num_experts
 
 
@@ -298,7 +306,8 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, backend:
 
 def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts) -> jax.Array:
     """Each of the T*k rows through its own expert, one row at a time (a loop of T*k matrix-vector
-    products, each reading only its expert's weights): [T, k, H]."""
+    products, each reading only its expert's weights), the rows sorted by expert so an expert's
+    later rows find it in the cache: [T, k, H]."""
     num_tokens, k = ids.shape
     num_experts = experts.num_experts
 
@@ -306,8 +315,11 @@ def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts) -> jax.Arra
         row, e = args  # [1, H], scalar
         return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e), lambda: jnp.zeros_like(row))
 
-    rows = jnp.repeat(x, k, axis=0)[:, None, :]  # [T*k, 1, H]
-    return jax.lax.map(one, (rows, ids.reshape(-1))).reshape(num_tokens, k, -1)
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # rows of one expert one after another: its weights stay in cache
+    rows = x[order // k][:, None, :]  # [T*k, 1, H]
+    y = jax.lax.map(one, (rows, flat[order]))  # [T*k, 1, H]
+    return jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, k, -1)
 
 
 def capacity(num_rows: int, num_experts: int) -> int:
