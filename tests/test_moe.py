@@ -49,7 +49,8 @@ def test_moe_equals_a_loop_over_experts(num_tokens, skew):
 
 @pytest.mark.parametrize("num_tokens", [2, 40])  # gather path, batched path
 def test_bfloat16_experts_equal_the_loop_over_their_values(num_tokens):
-    """`--dtype bfloat16`: bfloat16 stacks and activations, products summed in float32."""
+    """`--dtype bfloat16`: bfloat16 stacks and activations through both paths, against the loop over
+    the same values in float32."""
     rng = np.random.default_rng(7)
     base = _experts(rng)
     ex = moe.Experts(*(w.astype(jnp.bfloat16) for w in (base.w_gate, base.w_up, base.w_down)))
@@ -105,7 +106,7 @@ def test_padding_rows_are_routed_nowhere():
     ex = _experts(rng)
     router = moe.Router(jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), None, top_k=2, norm_topk_prob=True)
     real = jnp.asarray(rng.standard_normal((5, 16)), jnp.float32)
-    for bucket in (8, 64):  # gather path, batched path (59 alike padding rows overflow two experts' slots)
+    for bucket in (8, 64):  # gather path, batched path (unmasked, 59 alike padding rows would overflow)
         x = jnp.concatenate([real, jnp.zeros((bucket - 5, 16), jnp.float32)])
         got = jax.jit(moe.moe)(x, router, ex, valid=jnp.arange(bucket) < 5)
         np.testing.assert_allclose(got[:5], jax.jit(moe.moe)(real, router, ex), rtol=1e-5, atol=1e-5)
