@@ -78,18 +78,21 @@ def ragged(x, router, ex: moe.Experts):
 
 
 def forced(path: str):
+    """moe.moe with one path forced: "gather", "looped" (the per-expert loop), or "batched" (packed
+    stacks: the loop they take instead, as expert_swiglu)."""
     def run(x, router, ex):
         ids, weights = moe.route(x, router)
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        lhs = x[order // k]
         if path == "gather":
-            y = moe._gathered_swiglu(x, ids, ex)
+            y_sorted = moe._gathered_swiglu(lhs, flat[order], ex)
         else:
-            t, k = ids.shape
-            flat = ids.reshape(-1)
-            order = jnp.argsort(flat, stable=True)
             sizes = jnp.bincount(flat, length=ex.num_experts)
-            sorted_path = moe._looped_swiglu if moe.is_packed(ex.w_gate) else moe._batched_swiglu  # as expert_swiglu
-            y = jnp.zeros((t * k, x.shape[1]), x.dtype).at[order].set(sorted_path(x[order // k], sizes, ex))
-            y = y.reshape(t, k, -1)
+            looped = path == "looped" or moe.is_packed(ex.w_gate)
+            y_sorted = (moe._looped_swiglu if looped else moe._batched_swiglu)(lhs, sizes, ex)
+        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
         return jnp.einsum("tkh,tk->th", y, weights)
     return run
 
@@ -144,15 +147,6 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) ->
                 router = moe.Router(rw, None, TOP_K, True)
                 if path == "moe":
                     return h + moe.moe(h, router, ex), None
-                if path == "looped":  # the per-expert loop forced (the engine's choice past gather)
-                    ids, weights = moe.route(h, router)
-                    t, k = ids.shape
-                    flat = ids.reshape(-1)
-                    order = jnp.argsort(flat, stable=True)
-                    sizes = jnp.bincount(flat, length=NUM_EXPERTS)
-                    y = jnp.zeros((t * k, h.shape[1]), h.dtype).at[order].set(
-                        moe._looped_swiglu(h[order // k], sizes, ex)).reshape(t, k, -1)
-                    return h + jnp.einsum("tkh,tk->th", y, weights), None
                 if path == "batched":  # the layer's stacks copied out for the batched dots
                     ex = moe.Experts(*(resolve(s) for s in (ex.w_gate, ex.w_up, ex.w_down)))
                 return h + forced(path)(h, router, ex), None
@@ -195,7 +189,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--experts", default="float", choices=["float", "fp8_block", "mxfp4"])
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
+    p.add_argument("--scan", type=int, default=0, metavar="L", help="in a scan over L layers (see above)")
     args = p.parse_args()
+    if args.scan:
+        return scan_table(args.hidden, args.scan, args.repeats, args.tokens)
     h, i = args.hidden, int(args.hidden * WIDTH)
     ex, router, w = layer(h)
     ex = pack(ex, args.experts)
@@ -253,14 +250,5 @@ if __name__ == "__main__":
     if "--forms" in sys.argv:
         sys.argv.remove("--forms")
         forms_table(512, 10)
-    elif "--scan" in sys.argv:
-        at = sys.argv.index("--scan")
-        layers_arg = int(sys.argv[at + 1])
-        del sys.argv[at:at + 2]
-        rest = argparse.ArgumentParser()
-        rest.add_argument("--repeats", type=int, default=10)
-        rest.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
-        opts = rest.parse_args()
-        scan_table(512, layers_arg, opts.repeats, opts.tokens)
     else:
         main()

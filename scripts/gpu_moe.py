@@ -55,6 +55,7 @@ def random_model(name: str, dtype: str):
     import jax.numpy as jnp
 
     from jaxserve.models import llama
+    from jaxserve.models.expert_weights import EXPERT_STACKS
     from jaxserve.weights.loader import LoadedModel
 
     cfg = config(name)
@@ -79,7 +80,7 @@ def random_model(name: str, dtype: str):
     for i, (path, shape) in enumerate(leaves):
         leaf = str(path[-1].key)
         # dense leaves are [L, in, out]; the expert stacks [L, E, out, in]
-        fan_in = 64 if len(shape) < 2 or leaf == "embed" else shape[-1] if leaf.startswith("we_") else shape[-2]
+        fan_in = 64 if len(shape) < 2 or leaf == "embed" else shape[-1] if leaf in EXPERT_STACKS else shape[-2]
         out.append(jax.jit(make, static_argnums=(0, 1, 2, 3))(i + 1, tuple(shape), "norm" in leaf, fan_in))
     params = jax.tree.unflatten(treedef, out)
     jax.block_until_ready(params)

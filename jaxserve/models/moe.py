@@ -152,10 +152,10 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     if valid is not None:
         ids = jnp.where(valid[:, None], ids, experts.num_experts)  # id E: a row nobody computes
         weights = jnp.where(valid[:, None], weights, 0.0)
+    mesh = None
     if expert_parallel or backend in PALLAS_BACKENDS:  # shard_maps and the kernel take the layer's stacks
         experts = _resolved(experts)
-    mesh = model_mesh(first_leaf(experts.w_gate), MODEL_AXIS) if expert_parallel or backend in PALLAS_BACKENDS \
-        else None
+        mesh = model_mesh(first_leaf(experts.w_gate), MODEL_AXIS)
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, backend, mesh)
     if mesh is None or not expert_parallel:
@@ -221,18 +221,20 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
     The one place the path is chosen (see the module docstring)."""
     num_tokens, k = ids.shape
     grouped = backend in PALLAS_BACKENDS
-    if num_tokens * k <= _gather_max_rows(experts) and not grouped:
-        return _gathered_swiglu(x, ids, experts)
     flat = ids.reshape(-1)  # [T*k]
-    order = jnp.argsort(flat, stable=True)
-    sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
-    if grouped:
-        swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
-    else:  # packed stacks: unpacking every stack each step costs more than the loop over experts; a
-        # LayerStack: the batched dots would copy the layer's stacks out first (module docstring)
-        lazy = isinstance(experts.w_gate, LayerStack)
-        swiglu = _looped_swiglu if is_packed(experts.w_gate) or lazy else _batched_swiglu
-    y_sorted = swiglu(x[order // k], sizes, experts)  # [T*k, H]
+    order = jnp.argsort(flat, stable=True)  # every path takes the rows sorted by expert
+    lhs = x[order // k]  # [T*k, H]
+    if num_tokens * k <= _gather_max_rows(experts) and not grouped:
+        y_sorted = _gathered_swiglu(lhs, flat[order], experts)
+    else:
+        sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
+        if grouped:
+            swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
+        else:  # packed stacks: unpacking every stack each step costs more than the loop over experts; a
+            # LayerStack: the batched dots would copy the layer's stacks out first (module docstring)
+            lazy = isinstance(experts.w_gate, LayerStack)
+            swiglu = _looped_swiglu if is_packed(experts.w_gate) or lazy else _batched_swiglu
+        y_sorted = swiglu(lhs, sizes, experts)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
 
@@ -304,22 +306,18 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, backend:
     return grouped_matmul(h, experts.w_down, sizes, backend) + bias(experts.b_down)
 
 
-def _gathered_swiglu(x: jax.Array, ids: jax.Array, experts: Experts) -> jax.Array:
-    """Each of the T*k rows through its own expert, one row at a time (a loop of T*k matrix-vector
-    products, each reading only its expert's weights), the rows sorted by expert so an expert's
-    later rows find it in the cache: [T, k, H]."""
-    num_tokens, k = ids.shape
+def _gathered_swiglu(lhs: jax.Array, row_experts: jax.Array, experts: Experts) -> jax.Array:
+    """Each row of lhs [M, H] through its expert row_experts[m] (an id of E or more: output 0), one
+    row at a time (a loop of M matrix-vector products, each reading only its expert's weights):
+    [M, H]. The rows come sorted by expert (expert_swiglu), so an expert's later rows find it in
+    the cache."""
     num_experts = experts.num_experts
 
     def one(args):
         row, e = args  # [1, H], scalar
         return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e), lambda: jnp.zeros_like(row))
 
-    flat = ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # rows of one expert one after another: its weights stay in cache
-    rows = x[order // k][:, None, :]  # [T*k, 1, H]
-    y = jax.lax.map(one, (rows, flat[order]))  # [T*k, 1, H]
-    return jnp.zeros_like(y).at[order].set(y).reshape(num_tokens, k, -1)
+    return jax.lax.map(one, (lhs[:, None, :], row_experts))[:, 0]
 
 
 def capacity(num_rows: int, num_experts: int) -> int:
