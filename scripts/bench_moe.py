@@ -20,7 +20,8 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
 
 --scan L runs the moe paths inside a `lax.scan` over L layers of their own weights, as the
 engine's layer scan does (llama.run_layers: the experts handed over as expert_weights.LayerStack,
-read at (layer, expert)), and the bounds over L layers of their own arrays, each read once (an
+read at (layer, expert), with each layer's stacks as arrays of their own for the batched dots, as
+the runner makes them on one CPU device: expert_weights.layer_views), and the bounds over L layers of their own arrays, each read once (an
 unrolled loop: a scan's slices would be copied first), and reports milliseconds per layer. The
 stacks then come from memory, not the cache, as in a served model.
 
@@ -131,24 +132,25 @@ def layer(hidden: int, seed: int = 0):
 
 def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) -> None:
     """--scan: the moe paths and the bounds, each in a scan over `num_layers` layers (ms per layer)."""
-    from jaxserve.models.expert_weights import LayerStack, resolve
+    from jaxserve.models.expert_weights import LayerStack, layer_views
 
     i = int(hidden * WIDTH)
     made = [layer(hidden, seed=s) for s in range(num_layers)]
     w = made[0][2]
     stacks = jax.tree.map(lambda *a: jnp.stack(a), *[ex for ex, _, _ in made])  # [L, E, N, K] each
+    stacks = (stacks, jax.tree.map(layer_views, stacks))  # the stacks and their layers' own arrays
     routers = jnp.stack([r.weight for _, r, _ in made])  # [L, H, E]
 
     def scanned(path: str):
         def run(x, stacks, routers):
             def body(h, xs):
                 rw, li = xs
-                ex = moe.Experts(*(LayerStack(s, li) for s in (stacks.w_gate, stacks.w_up, stacks.w_down)))
+                whole, views = stacks
+                ex = moe.Experts(*(LayerStack(s, li, v) for s, v in zip(
+                    (whole.w_gate, whole.w_up, whole.w_down), (views.w_gate, views.w_up, views.w_down))))
                 router = moe.Router(rw, None, TOP_K, True)
                 if path == "moe":
                     return h + moe.moe(h, router, ex), None
-                if path == "batched":  # the layer's stacks copied out for the batched dots
-                    ex = moe.Experts(*(resolve(s) for s in (ex.w_gate, ex.w_up, ex.w_down)))
                 return h + forced(path)(h, router, ex), None
             return jax.lax.scan(body, x, (routers, jnp.arange(num_layers)))[0]
         return jax.jit(run)

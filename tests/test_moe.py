@@ -64,12 +64,14 @@ def test_bfloat16_experts_equal_the_loop_over_their_values(num_tokens):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=3e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("form", ["float", "fp8_block", "mxfp4"])
-@pytest.mark.parametrize("num_tokens", [3, 40])  # gather path, the per-expert loop
+@pytest.mark.parametrize("form", ["float", "float+views", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [3, 40])  # gather path; the per-expert loop (views: the batched dots)
 def test_a_layer_read_lazily_from_the_stack_of_layers_equals_its_own_stacks(form, num_tokens):
     """The layer scan hands the experts over as LayerStack(stack [L, E, ...], layer): every path reads
-    (layer, expert) in one slice and gives what the layer's own [E, ...] stacks give."""
-    from jaxserve.models.expert_weights import LayerStack
+    (layer, expert) in one slice and gives what the layer's own [E, ...] stacks give. float+views:
+    with the layers as arrays of their own sharing the stack's memory (the runner's, on one CPU
+    device), which the batched dots branch to."""
+    from jaxserve.models.expert_weights import LayerStack, layer_views
     from jaxserve.quantization.mxfp4 import Mxfp4Weight
     from jaxserve.quantization.qweight import QuantizedWeight
 
@@ -91,12 +93,22 @@ def test_a_layer_read_lazily_from_the_stack_of_layers_equals_its_own_stacks(form
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)  # every leaf [3, ...]
     x = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.float32)
     router = moe.Router(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32), None, top_k=2, norm_topk_prob=True)
-    lazy = lambda x, st, l: moe.moe(x, router, moe.Experts(*(LayerStack(w, l) for w in  # noqa: E731
-                                                            (st.w_gate, st.w_up, st.w_down))))
-    for layer in (0, 2):
-        got = jax.jit(lazy)(x, stacked, jnp.int32(layer))
-        want = jax.jit(moe.moe)(x, router, layers[layer])
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    views = (None,) * 3
+    if form == "float+views":
+        views = tuple(layer_views(w) for w in (stacked.w_gate, stacked.w_up, stacked.w_down))
+        for w, vs in zip((stacked.w_gate, stacked.w_up, stacked.w_down), views):  # no bytes added
+            assert [v.unsafe_buffer_pointer() for v in vs] == [
+                w.unsafe_buffer_pointer() + i * vs[0].nbytes for i in range(3)]
+    # views: a router that sends every token to experts 0 and 1 too (the loop, for a batch that
+    # leaves most experts idle: moe._busy_batched)
+    skewed = moe.Router(router.weight, jnp.asarray([50.0, 50.0] + [0.0] * 6), top_k=2, norm_topk_prob=True)
+    for r in (router, skewed) if form == "float+views" else (router,):
+        lazy = lambda x, st, vs, l: moe.moe(x, r, moe.Experts(*(  # noqa: E731
+            LayerStack(w, l, v) for w, v in zip((st.w_gate, st.w_up, st.w_down), vs))))
+        for layer in (0, 2):
+            got = jax.jit(lazy)(x, stacked, views, jnp.int32(layer))
+            want = jax.jit(moe.moe)(x, r, layers[layer])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_rows_are_routed_nowhere():

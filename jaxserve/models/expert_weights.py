@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.models.attention import PALLAS_BACKENDS, PALLAS_INTERPRET
 from jaxserve.quantization.mxfp4 import Mxfp4Weight, dequantize_experts
@@ -37,6 +38,7 @@ from pallas_kernels.grouped_matmul import supported as pallas_supported
 
 XLA_BLOCK_M = 8  # rows per block of the XLA grouped path (a block's expert is dequantized once)
 EXPERT_STACKS = ("we_gate", "we_up", "we_down")  # a MoE layer's expert stacks, [L, E, out, in] in the params
+LAYER_VIEWS = "expert_layer_views"  # params["layers"][LAYER_VIEWS]: {stack name: layer_views(stack)}, when made
 
 
 @jax.tree_util.register_dataclass
@@ -47,9 +49,13 @@ class LayerStack:
     (llama.run_layers) hands the expert stacks over this way: sliced by the scan, each layer's
     stacks were copied out whole every step before the per-expert loop read a few experts (a
     1-token step of a 16-layer MoE ran 20 ms a layer, not 0.5). Paths that take whole stacks
-    (batched dots, shard_maps, the Pallas kernel) `resolve` it to the layer's [E, N, K]."""
+    (batched dots, shard_maps, the Pallas kernel) `resolve` it to the layer's [E, N, K].
+    `layers`: the same stack as L arrays of their own, each aliasing its layer of `stack` (XLA:CPU,
+    one device: `layer_views`); the batched dots branch to the layer's own array
+    (moe._stacked_swiglu), which they read in place, where a slice of the stack is copied first."""
     stack: "ExpertWeight"
     layer: jax.Array  # i32 scalar
+    layers: tuple[jax.Array, ...] | None = None
 
 
 ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight | LayerStack
@@ -58,6 +64,35 @@ ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight | LayerStack
 def resolve(w: ExpertWeight) -> ExpertWeight:
     """The layer's own [E, N, K] stack of a LayerStack (a copy of it, on XLA); other forms as they are."""
     return jax.tree.map(lambda a: a[w.layer], w.stack) if isinstance(w, LayerStack) else w
+
+
+def layer_views(stack: jax.Array) -> tuple[jax.Array, ...] | None:
+    """Each layer of a float [L, E, N, K] stack on one CPU device as an array of its own that shares
+    the stack's memory (a zero-copy device_put of a view: no bytes are added), or None where they
+    would be copies (another platform, a sharded or packed stack)."""
+    if not isinstance(stack, jax.Array) or len(stack.devices()) != 1:
+        return None
+    device = next(iter(stack.devices()))
+    if device.platform != "cpu":
+        return None
+    host = np.asarray(stack)  # the stack's own memory on the CPU
+    # placed as the stack is: a committed input commits a program's outputs (the KV pool), and the
+    # warmed-up programs would then recompile for them
+    place = (lambda a: jax.device_put(a, device)) if stack.committed else jax.device_put
+    views = tuple(place(host[i]) for i in range(stack.shape[0]))
+    base, step = stack.unsafe_buffer_pointer(), host[0].nbytes
+    if all(v.unsafe_buffer_pointer() == base + i * step for i, v in enumerate(views)):
+        return views
+    return None  # copied: drop them rather than hold the experts twice
+
+
+def with_layer_views(layers: dict) -> dict:
+    """The params' `layers` plus LAYER_VIEWS (every expert stack's `layer_views`) where all of them
+    have views; otherwise `layers` as they are."""
+    views = {k: layer_views(layers[k]) for k in EXPERT_STACKS if k in layers}
+    if not views or any(v is None for v in views.values()):
+        return layers
+    return {**layers, LAYER_VIEWS: views}
 
 
 def check_expert_weight(w: ExpertWeight) -> None:

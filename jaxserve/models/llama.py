@@ -42,7 +42,7 @@ from jaxserve.models import attention, registry
 from jaxserve.lora import layers as lora
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.expert_weights import EXPERT_STACKS, LayerStack
+from jaxserve.models.expert_weights import EXPERT_STACKS, LAYER_VIEWS, LayerStack
 from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
 from jaxserve.models.rope import apply_rope, attention_scale, inv_frequencies
 
@@ -144,14 +144,16 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
 
     ffn = registry.get_family(cfg.architecture).ffn  # Llama's dense MLP, or a family's experts
     # MoE expert stacks stay whole, read lazily at (layer, expert) by the expert block: sliced by the
-    # scan, each layer's stacks were copied out every step (expert_weights.LayerStack).
+    # scan, each layer's stacks were copied out every step (expert_weights.LayerStack); with them
+    # come their layers as arrays of their own where the runner made them (LAYER_VIEWS).
     lazy = {k: layers[k] for k in EXPERT_STACKS if k in layers}
-    layers = {k: v for k, v in layers.items() if k not in lazy}
+    views = layers.get(LAYER_VIEWS, {})
+    layers = {k: v for k, v in layers.items() if k not in lazy and k != LAYER_VIEWS}
 
     def layer_body(carry, xs):
         h, k_cache, v_cache = carry
         lp, layer = xs
-        lp = {**lp, **{k: LayerStack(v, layer) for k, v in lazy.items()}}
+        lp = {**lp, **{k: LayerStack(v, layer, views.get(k)) for k, v in lazy.items()}}
         attn_out, (k_cache, v_cache) = _attention_block(
             cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
             (k_cache, v_cache), md, layer, inv_freq, dots, lora_step)

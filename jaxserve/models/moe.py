@@ -7,18 +7,25 @@
                    C rows in one pass of three batched dots over all the stacks; the rows of a
                    group larger than C go through a loop over the experts that still have rows
                    (nothing is dropped)
-                   -- in the engine (stacks read lazily, below): gather to T*k <= 4E, then that
-                   loop for every row; packed stacks: that loop for every row
+                   -- in the engine (stacks read lazily, below): gather to T*k <= 2E, then the
+                   batched pass on the layer's own arrays when 70% of the experts have rows, else
+                   that loop for every row (without the layer's arrays: gather to 4E, then the
+                   loop); packed stacks: that loop for every row
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
 In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
 (expert_weights.LayerStack): the gather path and the loop read (layer, expert) in one slice. The
 scan's own per-layer slices were copied out whole before any path ran -- three 50 MB copies a
 layer a step at Qwen3-30B-A3B's quarter width: 20 ms a layer at 1 token where the layer takes
-0.5 (scripts/bench_moe.py --scan). The batched dots need the layer's stacks whole, so there they
-pay that copy and lose to the loop at every size measured (4 layers of 128 experts: 32 against
-23 ms a layer at 32 tokens, 35 against 28 at 64, 47 against 41 at 256). Padding rows of a step
-(`valid`) are routed nowhere: alike, they would all pick the same experts and overflow them.
+0.5 (scripts/bench_moe.py --scan). The batched dots need the layer's stacks whole: a slice of the
+stack, the layer's or the scan's, is copied before a library dot reads it, and then they lose to
+the loop at every size (4 layers of 128 experts: 32 against 23 ms a layer at 32 tokens, 35
+against 28 at 64, 47 against 41 at 256). On one CPU device the runner also hands over each
+layer's stacks as arrays of their own sharing the stack's memory (LayerStack.layers,
+expert_weights.layer_views: zero-copy, no bytes added), and the batched dots `lax.switch` to the
+layer's, reading them in place: 18.6 against 28 ms at 64 tokens, 30.7 against 42 at 256. Padding
+rows of a step (`valid`) are routed nowhere: alike, they would all pick the same experts and
+overflow them.
 
 Every expert stack is output-major, [E, N, K] (each expert [out, in], as nn.Linear and the hub
 store it; expert_weights.py), in every form. `expert_swiglu` is the one place the path is
@@ -55,7 +62,9 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
   * the gather path reads k experts per row, the batched one every expert: gather while
     T*k <= E (at 16 tokens: 10.5 against 13.4 ms; at 32, 19.5 against 15.1); in the layer scan
-    (LayerStack) while T*k <= 4E (_gather_max_rows).
+    (LayerStack) while T*k <= 2E with the layers' own arrays, 4E without (_gather_max_rows).
+  * past it the batched pass reads every expert, the loop only the touched ones: with the layers'
+    own arrays the program picks the batched pass when 70% of the experts have rows (_busy_batched).
   * the floor at 64+ tokens: a batched dot ran as fast on one core as on two (4 slots), a large
     2D dot 3x faster on two: the bound's dense product uses both cores, these dots mostly one.
 Against the bounds (BENCHMARKS.md, "MoE layer"): 1.03x the dense layer of the active width at 1
@@ -88,6 +97,8 @@ from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul, model_mesh
 from jaxserve.quantization.qweight import QuantizedWeight
 
+GATHER_VIEWS = 2  # lazily read float stacks with their layers' own arrays: gather while T*k <= this * E
+BATCHED_TOUCHED = 0.7  # with LayerStack.layers: the batched dots when this share of the experts has rows
 SLOT_SIGMAS = 2.0  # the batched pass's slots per expert: the mean share + this many standard deviations
 MODEL_AXIS = "model"
 
@@ -231,9 +242,13 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
         if grouped:
             swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
         else:  # packed stacks: unpacking every stack each step costs more than the loop over experts; a
-            # LayerStack: the batched dots would copy the layer's stacks out first (module docstring)
-            lazy = isinstance(experts.w_gate, LayerStack)
-            swiglu = _looped_swiglu if is_packed(experts.w_gate) or lazy else _batched_swiglu
+            # LayerStack without its layers' own arrays: the batched dots would copy the layer's stacks
+            # out first (module docstring)
+            copied = isinstance(experts.w_gate, LayerStack) and not _has_views(experts)
+            if is_packed(experts.w_gate) or copied:
+                swiglu = _looped_swiglu
+            else:
+                swiglu = _busy_batched if _has_views(experts) else _batched_swiglu
         y_sorted = swiglu(lhs, sizes, experts)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
@@ -246,13 +261,21 @@ def _gather_max_rows(experts: Experts) -> int:
     and 4E for float stacks read lazily in the layer scan, where the rows sorted by expert re-read
     each expert from the cache and the loop's dots copy each expert first (`bench_moe.py --scan 4`,
     ms a layer, gather against loop: 14.2 / 22.8 at 32 tokens, 20.7 / 28.3 at 64, 28.7 / 32.6 at
-    128, 44.6 / 40.7 at 256)."""
+    128, 44.6 / 40.7 at 256); 2E (GATHER_VIEWS) with the layers' own arrays, where the batched pass
+    takes over (gather against batched: 14.9 / 17.1 at 32 tokens, 18.7 / 18.8 at 48, 21.0 / 18.6
+    at 64)."""
     stored = _stored(experts.w_gate)
     if isinstance(stored, QuantizedWeight):
         return 8
     if isinstance(experts.w_gate, LayerStack) and not is_packed(stored):
-        return 4 * experts.num_experts
+        return (GATHER_VIEWS if _has_views(experts) else 4) * experts.num_experts
     return experts.num_experts
+
+
+def _has_views(experts: Experts) -> bool:
+    """Whether every stack comes with its layers as arrays of their own (LayerStack.layers)."""
+    ws = (experts.w_gate, experts.w_up, experts.w_down)
+    return all(isinstance(w, LayerStack) and w.layers is not None for w in ws)
 
 
 def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
@@ -270,7 +293,15 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
 
 def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
-    dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them."""
+    dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them. Stacks
+    with their layers' own arrays (LayerStack.layers) branch to the layer's: read in place."""
+    if _has_views(experts):
+        def at(i: int) -> Experts:
+            return replace(experts, w_gate=experts.w_gate.layers[i], w_up=experts.w_up.layers[i],
+                           w_down=experts.w_down.layers[i])
+
+        branches = [lambda xs, i=i: _stacked_swiglu(xs, at(i)) for i in range(len(experts.w_gate.layers))]
+        return jax.lax.switch(experts.w_gate.layer, branches, xs)
     # float stacks (packed ones loop: expert_swiglu), the layer's own (a LayerStack's copied out)
     wg, wu, wd = resolve(experts.w_gate), resolve(experts.w_up), resolve(experts.w_down)
     dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims)  # noqa: E731
@@ -318,6 +349,18 @@ def _gathered_swiglu(lhs: jax.Array, row_experts: jax.Array, experts: Experts) -
         return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e), lambda: jnp.zeros_like(row))
 
     return jax.lax.map(one, (lhs[:, None, :], row_experts))[:, 0]
+
+
+def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Array:
+    """`_batched_swiglu` when at least BATCHED_TOUCHED of the experts have rows, else `_looped_swiglu`
+    (chosen in the program, from sizes): the batched dots read every expert, the loop only the
+    touched ones, and a router may leave most experts idle even at hundreds of tokens (the random
+    Qwen3-MoE of scripts/moe_peer_model.py sends 512 tokens to 25-30 of 128 experts in most layers;
+    batched there: 1381 against 1187 ms of model time for a prompt step, scripts/profile_step.py).
+    In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.22-0.33 ms a
+    touched expert and the batched pass 19-31 ms at 64-256 tokens: even at 66-73% of 128 touched."""
+    busy = jnp.count_nonzero(sizes) >= math.ceil(BATCHED_TOUCHED * experts.num_experts)
+    return jax.lax.cond(busy, _batched_swiglu, _looped_swiglu, lhs, sizes, experts)
 
 
 def capacity(num_rows: int, num_experts: int) -> int:

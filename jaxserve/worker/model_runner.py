@@ -38,6 +38,7 @@ from jaxserve.sample.sampler import SamplerOutput, vocab_slices
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
 from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
+from jaxserve.models.expert_weights import with_layer_views
 from jaxserve.quantization.matmul import has_columns
 from jaxserve.weights.loader import LoadedModel
 from jaxserve.lora import layers as lora_layers
@@ -130,6 +131,10 @@ class ModelRunner:
             self.params = _with_lora_slots(self.params, self.cfg, lora, lora_dtype or self.params["embed"].dtype, mesh)
             self._write_lora(1, None)  # the slots as the write program leaves them, so every program
             # compiles for that placement and a later write changes nothing the programs are keyed on
+        if pipeline is None and mesh is None and rc.backend not in PALLAS_BACKENDS:
+            # a MoE model's expert stacks, each layer also as an array of its own sharing their memory
+            # (one CPU device): the batched expert dots read them in place (models/expert_weights.py)
+            self.params = {**self.params, "layers": with_layer_views(self.params["layers"])}
         dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
