@@ -70,7 +70,7 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
 Against the bounds (BENCHMARKS.md, "MoE layer"): 1.03x the dense layer of the active width at 1
 token; at 4 tokens 0.88x the time of reading the 28 touched experts once (3.4x the active-width
 layer: no exact path reads fewer); at 64 and 256 tokens 2.1-2.8x of reading every touched expert
-once plus the active FLOPs.
+once plus the active FLOPs (in the layer scan, the engine's setting: 2.2x and 2.6x).
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
@@ -355,7 +355,7 @@ def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Arr
     """`_batched_swiglu` when at least BATCHED_TOUCHED of the experts have rows, else `_looped_swiglu`
     (chosen in the program, from sizes): the batched dots read every expert, the loop only the
     touched ones, and a router may leave most experts idle even at hundreds of tokens (the random
-    Qwen3-MoE of scripts/moe_peer_model.py sends 512 tokens to 25-30 of 128 experts in most layers;
+    Qwen3-MoE of scripts/moe_peer_model.py sends 512 tokens to 22-37 of 128 experts in 13 of 16 layers;
     batched there: 1381 against 1187 ms of model time for a prompt step, scripts/profile_step.py).
     In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.22-0.33 ms a
     touched expert and the batched pass 19-31 ms at 64-256 tokens: even at 66-73% of 128 touched."""
