@@ -21,9 +21,10 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
 --scan L runs the moe paths inside a `lax.scan` over L layers of their own weights, as the
 engine's layer scan does (llama.run_layers: the experts handed over as expert_weights.LayerStack,
 read at (layer, expert), with each layer's stacks as arrays of their own for the batched dots, as
-the runner makes them on one CPU device: expert_weights.layer_views), and the bounds over L layers of their own arrays, each read once (an
-unrolled loop: a scan's slices would be copied first), and reports milliseconds per layer. The
-stacks then come from memory, not the cache, as in a served model.
+the runner makes them on one CPU device: expert_weights.layer_views), and the bounds over L
+layers of their own arrays, each read once (an unrolled loop: a scan's slices would be copied
+first), and reports milliseconds per layer. The stacks then come from memory, not the cache, as
+in a served model.
 
 --experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
 checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it
