@@ -3,7 +3,10 @@
 lhs [M, K] holds the (token, expert) rows sorted by expert: group e is the next
 group_sizes[e] rows (rows past sum(group_sizes) are padding: output 0). rhs
 [E, N, K] stacks the experts' weights, each [out, in] as nn.Linear stores it
-(out[m] = lhs[m] @ rhs[e].T).
+(out[m] = lhs[m] @ rhs[e].T). Or rhs [L, E, N, K], every layer's stacks, and
+`layer`: the kernel reads that layer's experts in place, where a slice of the
+stack handed to the custom call would be a copy of the layer's whole stack
+(the model's layer scan holds the stacks this way: models/expert_weights.py).
 
 Alignment (vLLM's `moe_align_block_size`, in jnp: `align_block_size`): each
 group is cut into row blocks of `block_m` rows, its last block padded, so
@@ -95,8 +98,9 @@ def _kernel(
     block_expert_ref,  # i32[B]: expert of row block b
     block_start_ref,  # i32[B]: first lhs row of block b
     block_rows_ref,  # i32[B]: real rows of block b (0: dead)
+    layer_ref,  # i32[1]: the layer of rhs
     lhs_ref,  # [M + block_m, K]: whole (padded so every block's rows are in range)
-    rhs_ref,  # [E, N, K]: whole
+    rhs_ref,  # [L, E, N, K]: whole
     o_ref,  # [M + block_m, N]: whole; rows stored only by their block
     *,
     block_m: int,
@@ -105,6 +109,7 @@ def _kernel(
 ):
     b, j = pl.program_id(0), pl.program_id(1)
     expert, start, rows = block_expert_ref[b], block_start_ref[b], block_rows_ref[b]
+    layer = layer_ref[0]
     cols = pl.ds(j * block_n, block_n)
     num_k = lhs_ref.shape[1] // block_k
 
@@ -112,7 +117,7 @@ def _kernel(
     def _():
         def body(i, acc):  # acc f32[block_m, block_n]
             x = lhs_ref[pl.ds(start, block_m), pl.ds(i * block_k, block_k)]  # [block_m, block_k]
-            w = rhs_ref[expert, cols, pl.ds(i * block_k, block_k)]  # [block_n, block_k]
+            w = rhs_ref[layer, expert, cols, pl.ds(i * block_k, block_k)]  # [block_n, block_k]
             return acc + lax.dot_general(x, w, (((1,), (1,)), ((), ())), precision=_precision(x),
                                          preferred_element_type=jnp.float32)
 
@@ -121,9 +126,11 @@ def _kernel(
         pltriton.store(o_ref.at[pl.ds(start, block_m), cols], acc.astype(o_ref.dtype), mask=live)
 
 
-def _grouped_pallas(lhs, rhs, group_sizes, *, interpret: bool):
+def _grouped_pallas(lhs, rhs, group_sizes, layer, *, interpret: bool):
     m, k = lhs.shape
-    num_groups, n, _ = rhs.shape
+    n = rhs.shape[-2]
+    if layer is None:
+        rhs, layer = rhs[None], 0  # [1, E, N, K]: a bitcast
     block_m = max(TUNING["block_m"], 16)
     block_n, block_k = _tile(n, TUNING["block_n"]), _tile(k, TUNING["block_k"])
     table = align_block_size(group_sizes, m, block_m)
@@ -132,25 +139,29 @@ def _grouped_pallas(lhs, rhs, group_sizes, *, interpret: bool):
     out = pl.pallas_call(
         functools.partial(_kernel, block_m=block_m, block_n=block_n, block_k=block_k),
         grid=(table[0].shape[0], n // block_n),
-        in_specs=[whole] * 5,
+        in_specs=[whole] * 6,
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct((m + block_m, n), lhs.dtype),
         compiler_params=triton_params(TUNING["num_warps"], TUNING["num_stages"]),
         interpret=interpret,
         name="grouped_matmul",
-    )(*table, x, rhs)
+    )(*table, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), x, rhs)
     # Rows no block stores (padding past sum(group_sizes)) are garbage: zeros, as ragged_dot gives.
     total = jnp.sum(jnp.maximum(group_sizes.astype(jnp.int32), 0))
     return jnp.where((jnp.arange(m) < total)[:, None], out[:m], jnp.zeros((), lhs.dtype))
 
 
-def _check(lhs, rhs, group_sizes) -> None:
-    if lhs.ndim != 2 or rhs.ndim != 3:
-        raise ValueError(f"lhs must be [M, K] and rhs [E, N, K]; got {lhs.shape}, {rhs.shape}")
-    if lhs.shape[1] != rhs.shape[2]:
-        raise ValueError(f"lhs K={lhs.shape[1]} != rhs K={rhs.shape[2]} (rhs is [E, N, K])")
-    if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise ValueError(f"group_sizes must be an integer array [E={rhs.shape[0]}]; got shape "
+def _check(lhs, rhs, group_sizes, layer=None) -> None:
+    want = 3 if layer is None else 4
+    if lhs.ndim != 2 or rhs.ndim != want:
+        raise ValueError(f"lhs must be [M, K] and rhs {'[E, N, K]' if layer is None else '[L, E, N, K] (with layer)'}; "
+                         f"got {lhs.shape}, {rhs.shape}")
+    if layer is not None and (jnp.shape(layer) != () or not jnp.issubdtype(jnp.result_type(layer), jnp.integer)):
+        raise ValueError(f"layer must be an integer scalar; got shape {jnp.shape(layer)}")
+    if lhs.shape[1] != rhs.shape[-1]:
+        raise ValueError(f"lhs K={lhs.shape[1]} != rhs K={rhs.shape[-1]} (rhs is [..., E, N, K])")
+    if group_sizes.shape != (rhs.shape[-3],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise ValueError(f"group_sizes must be an integer array [E={rhs.shape[-3]}]; got shape "
                          f"{group_sizes.shape} dtype {group_sizes.dtype}")
     if not (jnp.issubdtype(lhs.dtype, jnp.floating) and jnp.issubdtype(rhs.dtype, jnp.floating)):
         raise ValueError(f"lhs and rhs must be floating point; got {lhs.dtype}, {rhs.dtype}")
@@ -161,28 +172,31 @@ def _check(lhs, rhs, group_sizes) -> None:
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def grouped_matmul(
     lhs: jax.Array,  # [M, K] float, rows sorted by group
-    rhs: jax.Array,  # [E, N, K] float
+    rhs: jax.Array,  # [E, N, K] float; with layer: [L, E, N, K]
     group_sizes: jax.Array,  # i32[E], sum <= M
+    layer: jax.Array | int | None = None,  # i32 scalar: rhs[layer]'s experts, read in place
     *,
     interpret: bool = False,
 ) -> jax.Array:  # [M, N] in lhs.dtype; rows past sum(group_sizes) are 0
     """Pallas (Triton) grouped matmul; same semantics as `grouped_matmul_reference`."""
-    _check(lhs, rhs, group_sizes)
-    if not supported(lhs.shape[1], rhs.shape[1]):
+    _check(lhs, rhs, group_sizes, layer)
+    if not supported(lhs.shape[1], rhs.shape[-2]):
         raise ValueError(f"the Pallas kernel needs K and N multiples of 16; got K={lhs.shape[1]}, "
-                         f"N={rhs.shape[1]} (use grouped_matmul_reference)")
-    return _grouped_pallas(lhs, rhs, group_sizes, interpret=interpret)
+                         f"N={rhs.shape[-2]} (use grouped_matmul_reference)")
+    return _grouped_pallas(lhs, rhs, group_sizes, layer, interpret=interpret)
 
 
 @jax.jit
 def grouped_matmul_reference(
     lhs: jax.Array,  # [M, K] float, rows sorted by group
-    rhs: jax.Array,  # [E, N, K] float
+    rhs: jax.Array,  # [E, N, K] float; with layer: [L, E, N, K]
     group_sizes: jax.Array,  # i32[E], sum <= M
+    layer: jax.Array | int | None = None,
 ) -> jax.Array:  # [M, N] in lhs.dtype; rows past sum(group_sizes) are 0
     """Pure jnp: each row times its group's weight, in float32 (a test oracle: it gathers an
     [M, K, N] weight per row)."""
-    _check(lhs, rhs, group_sizes)
+    _check(lhs, rhs, group_sizes, layer)
+    rhs = rhs if layer is None else rhs[layer]
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     row = jnp.arange(lhs.shape[0], dtype=jnp.int32)
     group = jnp.clip(jnp.searchsorted(jnp.cumsum(gs), row, side="right"), 0, rhs.shape[0] - 1)

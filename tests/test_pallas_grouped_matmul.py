@@ -52,6 +52,20 @@ def test_kernel_matches_reference_and_ragged_dot(sizes, m, k, n, dtype):
     assert np.all(np.asarray(got, np.float32)[int(np.sum(sizes)):] == 0)
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_kernel_reads_one_layer_of_a_stack_in_place(layer):
+    """rhs [L, E, N, K] and a traced layer: the layer's experts, as the [E, N, K] call on rhs[layer]."""
+    rng = np.random.default_rng(layer)
+    sizes = [3, 0, 9, 4]
+    lhs = jnp.asarray(rng.standard_normal((20, 64)), jnp.float32)
+    stack = jnp.asarray(rng.standard_normal((3, 4, 32, 64)) * 0.1, jnp.float32)
+    gs = jnp.asarray(sizes, jnp.int32)
+    run = jax.jit(lambda a, b, s, l: grouped_matmul(a, b, s, l, interpret=True))
+    got = run(lhs, stack, gs, jnp.int32(layer))
+    np.testing.assert_allclose(got, grouped_matmul(lhs, stack[layer], gs, interpret=True), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got, grouped_matmul_reference(lhs, stack, gs, layer), rtol=1e-6, atol=1e-6)
+
+
 def test_validation_errors():
     lhs, rhs, gs = _case(np.random.default_rng(0), [2, 2], 4, 64, 64, jnp.float32)
     with pytest.raises(ValueError, match="group_sizes"):
@@ -62,6 +76,8 @@ def test_validation_errors():
         grouped_matmul(lhs[:, :32], rhs, gs)
     with pytest.raises(ValueError, match="multiples of 16"):
         grouped_matmul(lhs[:, :40], rhs[:, :, :40], gs)
+    with pytest.raises(ValueError, match=r"\[L, E, N, K\]"):  # a layer needs the layer axis
+        grouped_matmul(lhs, rhs, gs, 0)
 
 
 @pytest.mark.parametrize("m,k,n", [(8 * 8, 2048, 1536), (64 * 8, 768, 2048)])  # top-8 of 128: gate_up, down
@@ -71,3 +87,8 @@ def test_kernel_lowers_to_triton(m, k, n):
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
                         )(sds((m, k), jnp.bfloat16), sds((128, n, k), jnp.bfloat16), sds((128,), jnp.int32))
     assert "xla.gpu.triton" in exp.mlir_module()
+    layered = export.export(jax.jit(grouped_matmul), platforms=["cuda"],  # 48 layers' stacks, one read
+                            disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+                            )(sds((m, k), jnp.bfloat16), sds((48, 128, n, k), jnp.bfloat16), sds((128,), jnp.int32),
+                              sds((), jnp.int32))
+    assert f"tensor<48x128x{n}x{k}xbf16>) ->" in layered.mlir_module()

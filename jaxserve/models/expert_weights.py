@@ -14,7 +14,9 @@ reads the packed bytes of the experts it touches and nothing else.
 
     grouped_matmul(lhs, w, sizes, backend)   rows sorted by expert [M, K] . w [E, N, K] -> [M, N]
       float w, Pallas backend, K and N multiples of 16
-                     pallas_kernels.grouped_matmul (Triton on GPU; interpret mode in tests)
+                     pallas_kernels.grouped_matmul (Triton on GPU; interpret mode in tests); a
+                     LayerStack's whole [L, E, N, K] stack and its layer go to the kernel as they
+                     are (it reads the layer in place: a slice would be copied for the custom call)
       otherwise      the kernel's alignment in XLA: the rows cut into B = cdiv(M, bm) + min(E, M)
                      blocks of one expert each, the blocks' experts gathered (packed: dequantized), one
                      batched dot, rows scattered back
@@ -162,7 +164,14 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     """lhs [M, K] sorted by expert (group e: the next group_sizes[e] rows; rows past their sum
     get 0) times each row's expert -> [M, N] in lhs.dtype. `dtype`: the operands' dtype (float32
     accumulation); None: lhs's. See the module docstring for the paths."""
-    dtype, w = dtype or lhs.dtype, resolve(w)
+    dtype = dtype or lhs.dtype
+    if (backend in PALLAS_BACKENDS and isinstance(w, LayerStack) and isinstance(w.stack, jax.Array)
+            and w.stack.dtype == dtype and pallas_supported(lhs.shape[1], w.stack.shape[-2])):
+        # the kernel reads the layer's experts in the whole stack: a slice handed to it is a copy
+        out = pallas_grouped_matmul(lhs.astype(dtype), w.stack, group_sizes.astype(jnp.int32), w.layer,
+                                    interpret=backend == PALLAS_INTERPRET)
+        return out.astype(lhs.dtype)
+    w = resolve(w)
     num_blocks = num_row_blocks(lhs.shape[0], num_experts(w), XLA_BLOCK_M)  # static
     if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
         w = whole(w, dtype)

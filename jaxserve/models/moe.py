@@ -34,6 +34,13 @@ grouped path instead: the T*k rows sorted by expert, then gate, up and down as t
 matmuls (expert_weights.grouped_matmul: the Pallas Triton kernel pallas_kernels/grouped_matmul.py,
 lhs [M, K] sorted by group, rhs [E, N, K], group_sizes [E] -> [M, N]; a static grid of
 cdiv(M, 16) + min(E, M) row blocks, one expert each, so its cost follows the touched experts).
+On one device the kernel takes a LayerStack's whole [L, E, N, K] stacks and the layer, and reads
+the layer's experts in place. A slice of the stacks handed to the kernel's custom call would
+likely be a copy of the layer's whole stacks each step (1.2 GB a layer at Qwen3-30B-A3B's bfloat16
+shapes): XLA:GPU's DynamicSliceFusionRewriter lets cuBLAS matmuls, reduce-scatters and registered
+custom-call targets read a slice in place, and the Triton kernel call is none of them (read in
+XLA's source; not measured on a GPU). The TP and EP shard_maps still take the layer's own stacks
+(resolve).
 
 Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight),
 dequantized inside the program, only the touched experts: the gather path unpacks each row's
@@ -164,9 +171,10 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
         ids = jnp.where(valid[:, None], ids, experts.num_experts)  # id E: a row nobody computes
         weights = jnp.where(valid[:, None], weights, 0.0)
     mesh = None
-    if expert_parallel or backend in PALLAS_BACKENDS:  # shard_maps and the kernel take the layer's stacks
-        experts = _resolved(experts)
+    if expert_parallel or backend in PALLAS_BACKENDS:
         mesh = model_mesh(first_leaf(experts.w_gate), MODEL_AXIS)
+        if mesh is not None or expert_parallel:  # the shard_maps take the layer's own stacks (a copy);
+            experts = _resolved(experts)  # the kernel on one device reads a LayerStack in place
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, backend, mesh)
     if mesh is None or not expert_parallel:
