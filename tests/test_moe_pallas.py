@@ -110,6 +110,12 @@ for ep, specs in ((True, (P("model"),) * 3), (False, (P(None, "model", None),) *
     split = moe.Experts(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((ex.w_gate, ex.w_up, ex.w_down), specs)))
     got = run(x, router, split, expert_parallel=ep, backend=PALLAS_INTERPRET)
     print("INTERPRET", "ep" if ep else "tp", float(jnp.max(jnp.abs(got - want))))
+    # as the layer scan hands them over: layer 1 of [2, E, ...] stacks, read in place on each device
+    from jaxserve.models.expert_weights import LayerStack
+    layered = moe.Experts(*(LayerStack(jax.device_put(jnp.stack([-a, a]), NamedSharding(mesh, P(None, *s))), jnp.int32(1))
+                            for a, s in zip((ex.w_gate, ex.w_up, ex.w_down), specs)))
+    got = run(x, router, layered, expert_parallel=ep, backend=PALLAS_INTERPRET)
+    print("LAYERED", "ep" if ep else "tp", float(jnp.max(jnp.abs(got - want))))
 # gpt-oss's experts: biases and the clamped SwiGLU (the down bias added once, not once a device)
 from jaxserve.models.gpt_oss import ClampedSwiGLU
 biased = moe.Experts(ex.w_gate, ex.w_up, ex.w_down, w(8, 32, 32)[:, 0], w(8, 32, 32)[:, 1], w(8, 64, 64)[:, 0],
@@ -127,8 +133,9 @@ for ep, specs in ((True, (P("model"),) * 6), (False, (P(None, "model", None),) *
 def test_parallel_decode_steps_lower_with_the_kernel_on_each_shard():
     """TP 2 over 2 fake CPU devices (a subprocess): with --enable-expert-parallel each device's
     grouped matmuls take its E / 2 experts; without, every expert's I / 2 slice (a shard_map: XLA
-    cannot partition a Pallas kernel and would gather the whole stacks). One psum each. In
-    interpret mode both shard_maps equal the unsplit block."""
+    cannot partition a Pallas kernel and would gather the whole stacks), both of every layer's
+    stacks with the layer read in place. One psum each. In interpret mode both shard_maps equal
+    the unsplit block."""
     import os
     import subprocess
     import sys
@@ -138,16 +145,18 @@ def test_parallel_decode_steps_lower_with_the_kernel_on_each_shard():
     proc = subprocess.run([sys.executable, "-c", PARALLEL_EXPORT], env=env, capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = {tuple(line.split()[:2]): line for line in proc.stdout.splitlines() if line.startswith(("EXPORT", "INT", "BIASED"))}
+    lines = {tuple(line.split()[:2]): line for line in proc.stdout.splitlines()
+             if line.startswith(("EXPORT", "INT", "BIASED", "LAYERED"))}
     ep, tp = lines["EXPORT", "ep"], lines["EXPORT", "tp"]
     for line in (ep, tp):
         assert "'grouped_matmul'" in line and "'paged_attention_decode'" in line, line
-    # each device's layer copied out of the stacks for its shard_map ([1, E, N, K]: no layer axis left)
-    assert "tensor<1x4x64x32xbf16>" in ep and "tensor<1x4x32x64xbf16>" in ep, ep  # E / 2 experts each
-    assert "tensor<1x8x64x16xbf16>" in tp and "tensor<1x8x16x64xbf16>" in tp, tp  # I / 2 of every expert
+    # each device's part of every layer's stacks, its layer read in place: [L, E / 2, N, K] with EP,
+    assert "tensor<3x4x64x32xbf16>" in ep and "tensor<3x4x32x64xbf16>" in ep, ep
+    assert "tensor<3x8x64x16xbf16>" in tp and "tensor<3x8x16x64xbf16>" in tp, tp  # [L, E, I / 2, H] without
     for mode in ("ep", "tp"):
         assert float(lines["INTERPRET", mode].split()[-1]) < 1e-5, lines["INTERPRET", mode]
         assert float(lines["BIASED", mode].split()[-1]) < 1e-5, lines["BIASED", mode]
+        assert float(lines["LAYERED", mode].split()[-1]) < 1e-5, lines["LAYERED", mode]
 
 
 def _random_model(cfg: ModelConfig):

@@ -39,8 +39,8 @@ the layer's experts in place. A slice of the stacks handed to the kernel's custo
 likely be a copy of the layer's whole stacks each step (1.2 GB a layer at Qwen3-30B-A3B's bfloat16
 shapes): XLA:GPU's DynamicSliceFusionRewriter lets cuBLAS matmuls, reduce-scatters and registered
 custom-call targets read a slice in place, and the Triton kernel call is none of them (read in
-XLA's source; not measured on a GPU). The TP and EP shard_maps still take the layer's own stacks
-(resolve).
+XLA's source; not measured on a GPU). The TP and EP shard_maps take the LayerStack whole too: each
+device's kernel reads its part of the layer in place.
 
 Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight),
 dequantized inside the program, only the touched experts: the gather path unpacks each row's
@@ -171,10 +171,8 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
         ids = jnp.where(valid[:, None], ids, experts.num_experts)  # id E: a row nobody computes
         weights = jnp.where(valid[:, None], weights, 0.0)
     mesh = None
-    if expert_parallel or backend in PALLAS_BACKENDS:
+    if expert_parallel or backend in PALLAS_BACKENDS:  # a LayerStack goes whole into the shard_maps
         mesh = model_mesh(first_leaf(experts.w_gate), MODEL_AXIS)
-        if mesh is not None or expert_parallel:  # the shard_maps take the layer's own stacks (a copy);
-            experts = _resolved(experts)  # the kernel on one device reads a LayerStack in place
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, backend, mesh)
     if mesh is None or not expert_parallel:
@@ -187,15 +185,19 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
         y = expert_swiglu(x, jnp.where(mine, ids, local), experts, backend)  # id `local`: not computed
         return jax.lax.psum(_combine(y, jnp.where(mine, weights, 0.0), x.dtype), MODEL_AXIS)
 
-    spec = jax.tree.map(lambda _: P(MODEL_AXIS), experts)  # every leaf (packed ones, biases too) is [E, ...]
+    # every leaf (packed ones, biases too) is [E, ...], a LayerStack's [L, E, ...]
+    spec = jax.tree.map(lambda _: P(MODEL_AXIS), replace(experts, w_gate=None, w_up=None, w_down=None))
+    spec = replace(spec, **{n: _stack_spec(getattr(experts, n), P(MODEL_AXIS)) for n in ("w_gate", "w_up", "w_down")})
     return jax.shard_map(shard, mesh=mesh, in_specs=(P(), P(), P(), spec), out_specs=P(),
                          check_vma=False)(x, ids, weights, experts)
 
 
-def _resolved(experts: Experts) -> Experts:
-    """The layer's own stacks of lazily read ones (expert_weights.LayerStack)."""
-    return replace(experts, w_gate=resolve(experts.w_gate), w_up=resolve(experts.w_up),
-                   w_down=resolve(experts.w_down))
+def _stack_spec(w: ExpertWeight, spec: P) -> ExpertWeight:
+    """A shard_map in_spec for an expert stack split as `spec` on its [E, ...] axes: a LayerStack's
+    whole stacks keep their layer axis unsplit (each device reads its layer in place)."""
+    if isinstance(w, LayerStack):
+        return LayerStack(jax.tree.map(lambda _: P(None, *spec), w.stack), P(), None)
+    return jax.tree.map(lambda _: spec, w)
 
 
 def _stored(w: ExpertWeight) -> ExpertWeight:
@@ -206,7 +208,7 @@ def _kernel_on_slices(experts: Experts, mesh) -> bool:
     """Whether the Pallas kernel runs on each device's intermediate slice: float stacks whose I
     divides over the model axis (packed ones take the XLA blocked path, which XLA partitions; an
     I that does not divide is replicated, nothing to gather)."""
-    return not is_packed(experts.w_gate) and experts.w_gate.shape[1] % dict(mesh.shape)[MODEL_AXIS] == 0
+    return not is_packed(experts.w_gate) and first_leaf(experts.w_gate).shape[-2] % dict(mesh.shape)[MODEL_AXIS] == 0
 
 
 def _intermediate_split(x, ids, weights, experts: Experts, backend: str, mesh) -> jax.Array:
@@ -217,8 +219,9 @@ def _intermediate_split(x, ids, weights, experts: Experts, backend: str, mesh) -
     down projections, as a dense MLP's all-reduce."""
     b_down, experts = experts.b_down, replace(experts, b_down=None)  # added once, after the psum
     column = P(None, MODEL_AXIS) if experts.b_gate is not None else None  # gate/up biases split as their outputs
-    specs = Experts(P(None, MODEL_AXIS, None), P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS),  # moe_layers' plan
-                    column, column, None, experts.activation)
+    rows, cols = P(None, MODEL_AXIS, None), P(None, None, MODEL_AXIS)  # moe_layers' plan
+    specs = Experts(_stack_spec(experts.w_gate, rows), _stack_spec(experts.w_up, rows),
+                    _stack_spec(experts.w_down, cols), column, column, None, experts.activation)
 
     def shard(x, ids, weights, experts):
         return jax.lax.psum(_combine(expert_swiglu(x, ids, experts, backend), weights, x.dtype), MODEL_AXIS)
