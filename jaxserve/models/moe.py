@@ -369,7 +369,8 @@ def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Arr
     Qwen3-MoE of scripts/moe_peer_model.py sends 512 tokens to 22-37 of 128 experts in 13 of 16 layers;
     batched there: 1381 against 1187 ms of model time for a prompt step, scripts/profile_step.py).
     In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.22-0.33 ms a
-    touched expert and the batched pass 19-31 ms at 64-256 tokens: even at 66-73% of 128 touched."""
+    touched expert and the batched pass 19-31 ms at 64-256 tokens: they break even at 66-73% of
+    128 experts touched."""
     busy = jnp.count_nonzero(sizes) >= math.ceil(BATCHED_TOUCHED * experts.num_experts)
     return jax.lax.cond(busy, _batched_swiglu, _looped_swiglu, lhs, sizes, experts)
 
