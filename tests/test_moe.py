@@ -30,7 +30,7 @@ def _reference(x, ids, weights, ex):
     return out
 
 
-@pytest.mark.parametrize("num_tokens", [1, 3, 40, 200])  # gather path (T*k <= 32), sorted path
+@pytest.mark.parametrize("num_tokens", [1, 3, 13, 40, 200])  # gather (T*k <= 4E: one chunk of 8 rows, 4), batched
 @pytest.mark.parametrize("skew", [0.0, 30.0])  # 30: every token chooses expert 0 (several rounds)
 def test_moe_equals_a_loop_over_experts(num_tokens, skew):
     rng = np.random.default_rng(num_tokens)

@@ -1,16 +1,16 @@
 """The Mixture-of-Experts block: route each token to its top-k experts, run only those rows.
 
     x [T, H] --router--> ids [T, k] i32, weights [T, k] f32
-      T*k <= E     gather: each (token, choice) row times its own expert's weights (a loop over
-                   the rows): only touched experts are ever read
+      T*k <= 4E    gather: each (token, choice) row times its own expert's weights (a loop over
+                   chunks of 8 rows; fp8 stacks: to 8 rows, mxfp4: to E): only touched experts
+                   are ever read
       otherwise    batched: the T*k rows sorted by expert (group_sizes [E]); every expert's first
                    C rows in one pass of three batched dots over all the stacks; the rows of a
                    group larger than C go through a loop over the experts that still have rows
                    (nothing is dropped)
-                   -- in the engine (stacks read lazily, below): gather to T*k <= 2E, then the
-                   batched pass on the layer's own arrays when 70% of the experts have rows, else
-                   that loop for every row (without the layer's arrays: gather to 4E, then the
-                   loop); packed stacks: that loop for every row
+                   -- in the engine (stacks read lazily, below): the batched pass on the layer's
+                   own arrays when 70% of the experts have rows, else that loop for every row
+                   (without the layer's arrays: the loop); packed stacks: that loop for every row
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
 In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
@@ -68,16 +68,15 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
     tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
   * the gather path reads k experts per row, the batched one every expert: gather while
-    T*k <= E (at 16 tokens: 10.5 against 13.4 ms; at 32, 19.5 against 15.1); in the layer scan
-    (LayerStack) while T*k <= 2E with the layers' own arrays, 4E without (_gather_max_rows).
+    T*k <= 4E (_gather_max_rows), its rows in chunks of 8 independent products (_gathered_swiglu).
   * past it the batched pass reads every expert, the loop only the touched ones: with the layers'
     own arrays the program picks the batched pass when 70% of the experts have rows (_busy_batched).
   * the floor at 64+ tokens: a batched dot ran as fast on one core as on two (4 slots), a large
     2D dot 3x faster on two: the bound's dense product uses both cores, these dots mostly one.
-Against the bounds (BENCHMARKS.md, "MoE layer"): 1.03x the dense layer of the active width at 1
-token; at 4 tokens 0.88x the time of reading the 28 touched experts once (3.4x the active-width
-layer: no exact path reads fewer); at 64 and 256 tokens 2.1-2.8x of reading every touched expert
-once plus the active FLOPs (in the layer scan, the engine's setting: 2.2x and 2.6x).
+Against the bounds (BENCHMARKS.md, "MoE layer"): 0.97x the dense layer of the active width at 1
+token; at 4 tokens 0.85x the time of reading the 28 touched experts once (3.5x the active-width
+layer: no exact path reads fewer); at 64 and 256 tokens 2.0x and 2.5x of reading every touched
+expert once plus the active FLOPs (in the layer scan, the engine's setting: 2.1x and 2.7x).
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
@@ -104,8 +103,8 @@ from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul, model_mesh
 from jaxserve.quantization.qweight import QuantizedWeight
 
-GATHER_VIEWS = 2  # lazily read float stacks with their layers' own arrays: gather while T*k <= this * E
 BATCHED_TOUCHED = 0.7  # with LayerStack.layers: the batched dots when this share of the experts has rows
+GATHER_CHUNK = 8  # rows an iteration of the gather path's loop (_gathered_swiglu)
 SLOT_SIGMAS = 2.0  # the batched pass's slots per expert: the mean share + this many standard deviations
 MODEL_AXIS = "model"
 
@@ -266,21 +265,16 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
 
 
 def _gather_max_rows(experts: Experts) -> int:
-    """The most rows (T*k) the gather path takes: E (it reads an expert per row, the batched path
-    every expert), but 8 for fp8 stacks, whose per-row dequantization costs more than the
-    per-expert loop's past one decode token (8.5 against 6.0 ms at 4 tokens, scripts/bench_moe.py),
-    and 4E for float stacks read lazily in the layer scan, where the rows sorted by expert re-read
-    each expert from the cache and the loop's dots copy each expert first (`bench_moe.py --scan 4`,
-    ms a layer, gather against loop: 14.2 / 22.8 at 32 tokens, 20.7 / 28.3 at 64, 28.7 / 32.6 at
-    128, 44.6 / 40.7 at 256); 2E (GATHER_VIEWS) with the layers' own arrays, where the batched pass
-    takes over (gather against batched: 14.9 / 17.1 at 32 tokens, 18.7 / 18.8 at 48, 21.0 / 18.6
-    at 64)."""
+    """The most rows (T*k) the gather path takes: it reads an expert per row (from the cache for an
+    expert's later rows: they come sorted), the batched path every expert. 4E for float stacks
+    (ms, gather against batched, `bench_moe.py`: one layer in the cache 6.7 / 13.9 at 16 tokens,
+    11.8 / 15.9 at 32, 15.2 / 18.2 at 64; in the layer scan 16.8 / 19.0 at 64, 24.4 / 23.5 at 128);
+    8 for fp8 stacks, whose per-row dequantization costs more than the per-expert loop's past one
+    decode token (8.5 against 6.0 ms at 4 tokens); E for mxfp4."""
     stored = _stored(experts.w_gate)
     if isinstance(stored, QuantizedWeight):
         return 8
-    if isinstance(experts.w_gate, LayerStack) and not is_packed(stored):
-        return (GATHER_VIEWS if _has_views(experts) else 4) * experts.num_experts
-    return experts.num_experts
+    return experts.num_experts * (1 if is_packed(stored) else 4)
 
 
 def _has_views(experts: Experts) -> bool:
@@ -349,17 +343,33 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, backend:
 
 
 def _gathered_swiglu(lhs: jax.Array, row_experts: jax.Array, experts: Experts) -> jax.Array:
-    """Each row of lhs [M, H] through its expert row_experts[m] (an id of E or more: output 0), one
-    row at a time (a loop of M matrix-vector products, each reading only its expert's weights):
-    [M, H]. The rows come sorted by expert (expert_swiglu), so an expert's later rows find it in
-    the cache."""
-    num_experts = experts.num_experts
+    """Each row of lhs [M, H] through its expert row_experts[m] (an id of E or more: output 0), a
+    matrix-vector product reading only its expert's weights: [M, H]. The rows come sorted by
+    expert (expert_swiglu), so an expert's later rows find it in the cache, and the rows nobody
+    computes come last. A loop over chunks of GATHER_CHUNK rows (one chunk: no loop): a chunk's
+    products are independent and XLA:CPU runs them side by side (one row an iteration, each
+    behind its own `cond`, ran 1.2-1.7x slower: `bench_moe.py --scan 4`, log.md); a chunk whose
+    first row is past the groups is skipped."""
+    num_experts, (m, h) = experts.num_experts, lhs.shape
+    pad = -m % GATHER_CHUNK
+    xs = jnp.pad(lhs, ((0, pad), (0, 0))).reshape(-1, GATHER_CHUNK, h)
+    ids = jnp.pad(row_experts, (0, pad), constant_values=num_experts).reshape(-1, GATHER_CHUNK)
+    if xs.shape[0] == 1:
+        return _chunk_rows(xs[0], ids[0], experts)[:m]
 
-    def one(args):
-        row, e = args  # [1, H], scalar
-        return jax.lax.cond(e < num_experts, lambda: _swiglu(row, experts, e), lambda: jnp.zeros_like(row))
+    def chunk(args):
+        x, e = args
+        return jax.lax.cond(e[0] < num_experts, lambda: _chunk_rows(x, e, experts), lambda: jnp.zeros_like(x))
 
-    return jax.lax.map(one, (lhs[:, None, :], row_experts))[:, 0]
+    return jax.lax.map(chunk, (xs, ids)).reshape(-1, h)[:m]
+
+
+def _chunk_rows(x: jax.Array, e: jax.Array, experts: Experts) -> jax.Array:
+    """Rows x [C, H] each through its expert e [C] -> [C, H], unrolled: independent products. A row
+    past the groups (e >= E) reuses the first row's expert (already in the cache) and is zeroed."""
+    live = e < experts.num_experts
+    return jnp.concatenate([jnp.where(live[j], _swiglu(x[j:j + 1], experts, jnp.where(live[j], e[j], e[0])), 0)
+                            for j in range(x.shape[0])])
 
 
 def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Array:
