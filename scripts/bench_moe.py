@@ -3,7 +3,7 @@
 Shape: Qwen3-30B-A3B's proportions scaled down to fit a 2-core CPU: 128 experts, top-8,
 expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 1, 4, 16, 32, 64, 256.
 
-    moe           moe.moe(x, router, experts): the engine's path choice (gather while T*k <= E, else
+    moe           moe.moe(x, router, experts): the engine's path choice (gather while T*k <= 4E, else
                   batched)
     batched       the batched path forced (every expert's first C rows in three batched dots; packed
                   stacks: the per-expert loop they take instead)
