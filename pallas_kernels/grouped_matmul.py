@@ -5,7 +5,7 @@ group_sizes[e] rows (rows past sum(group_sizes) are padding: output 0). rhs
 [E, N, K] stacks the experts' weights, each [out, in] as nn.Linear stores it
 (out[m] = lhs[m] @ rhs[e].T). Or rhs [L, E, N, K], every layer's stacks, and
 `layer`: the kernel reads that layer's experts in place, where a slice of the
-stack handed to the custom call would be a copy of the layer's whole stack
+stack handed to the custom call would likely be a copy of the layer's stack
 (the model's layer scan holds the stacks this way: models/expert_weights.py).
 
 Alignment (vLLM's `moe_align_block_size`, in jnp: `align_block_size`): each

@@ -16,7 +16,7 @@ reads the packed bytes of the experts it touches and nothing else.
       float w, Pallas backend, K and N multiples of 16
                      pallas_kernels.grouped_matmul (Triton on GPU; interpret mode in tests); a
                      LayerStack's whole [L, E, N, K] stack and its layer go to the kernel as they
-                     are (it reads the layer in place: a slice would be copied for the custom call)
+                     are (it reads the layer in place: a slice would likely be copied for the call)
       otherwise      the kernel's alignment in XLA: the rows cut into B = cdiv(M, bm) + min(E, M)
                      blocks of one expert each, the blocks' experts gathered (packed: dequantized), one
                      batched dot, rows scattered back
@@ -167,7 +167,7 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     dtype = dtype or lhs.dtype
     if (backend in PALLAS_BACKENDS and isinstance(w, LayerStack) and isinstance(w.stack, jax.Array)
             and w.stack.dtype == dtype and pallas_supported(lhs.shape[1], w.stack.shape[-2])):
-        # the kernel reads the layer's experts in the whole stack: a slice handed to it is a copy
+        # the kernel reads the layer's experts in the whole stack: a slice handed to it is likely a copy
         out = pallas_grouped_matmul(lhs.astype(dtype), w.stack, group_sizes.astype(jnp.int32), w.layer,
                                     interpret=backend == PALLAS_INTERPRET)
         return out.astype(lhs.dtype)
