@@ -251,14 +251,14 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
         sizes = jnp.bincount(flat, length=experts.num_experts)  # ids >= E fall outside every group
         if grouped:
             swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
-        else:  # packed stacks: unpacking every stack each step costs more than the loop over experts; a
-            # LayerStack without its layers' own arrays: the batched dots would copy the layer's stacks
-            # out first (module docstring)
-            copied = isinstance(experts.w_gate, LayerStack) and not _has_views(experts)
-            if is_packed(experts.w_gate) or copied:
-                swiglu = _looped_swiglu
-            else:
-                swiglu = _busy_batched if _has_views(experts) else _batched_swiglu
+        elif is_packed(experts.w_gate):  # unpacking every stack each step costs more than the loop
+            swiglu = _looped_swiglu
+        elif _has_views(experts):  # the batched dots on the layer's own arrays, when most experts have rows
+            swiglu = _busy_batched
+        elif isinstance(experts.w_gate, LayerStack):  # the batched dots would copy the layer's stacks out
+            swiglu = _looped_swiglu
+        else:
+            swiglu = _batched_swiglu
         y_sorted = swiglu(lhs, sizes, experts)  # [T*k, H]
     y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
     return y.reshape(num_tokens, k, -1)
