@@ -122,6 +122,18 @@ def pack(ex: moe.Experts, form: str) -> moe.Experts:
     return moe.Experts(one(ex.w_gate), one(ex.w_up), one(ex.w_down))
 
 
+def as_engine_layer(ex: moe.Experts) -> moe.Experts:
+    """One layer's stacks as the engine's layer scan hands them over: a LayerStack of a one-layer
+    stack, with its layer's own arrays (expert_weights.layer_views: float stacks on one CPU device)."""
+    from jaxserve.models.expert_weights import LayerStack, layer_views
+
+    def one(w):
+        stack = jax.tree.map(lambda a: a[None], w)
+        return LayerStack(stack, jnp.int32(0), layer_views(stack) if isinstance(stack, jax.Array) else None)
+
+    return moe.Experts(one(ex.w_gate), one(ex.w_up), one(ex.w_down))
+
+
 def layer(hidden: int, seed: int = 0):
     """(experts [E, out, in] float32, router, a weight maker) of one scaled-down layer."""
     i = int(hidden * WIDTH)
@@ -199,6 +211,7 @@ def main() -> None:
     h, i = args.hidden, int(args.hidden * WIDTH)
     ex, router, w = layer(h)
     ex = pack(ex, args.experts)
+    engine = as_engine_layer(ex)
     active = (w(TOP_K * i, h).T, w(TOP_K * i, h).T, w(h, TOP_K * i).T)  # [in, out]
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {h}, {NUM_EXPERTS} experts of "
           f"width {i}, top-{TOP_K}, float32, experts {args.experts}; median of {args.repeats}")
@@ -214,12 +227,13 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal((t, h), np.float32))
         ids, _ = moe.route(x, router)
         touched = int(np.unique(np.asarray(ids)).size)
-        times = {name: timeit(f, x, router, ex, repeats=args.repeats)
+        times = {name: timeit(f, x, router, ex if name == "ragged" else engine, repeats=args.repeats)
                  for name, f in fns.items() if not (name == "gather" and t > 64)}
         a = timeit(dense, x, *active, repeats=args.repeats)
         wide = (w(touched * i, h).T, w(touched * i, h).T, w(h, touched * i).T)
         b = timeit(dense, x[:1], *wide, repeats=args.repeats) + a
-        path = "gather" if t * TOP_K <= moe._gather_max_rows(ex) else "loop" if moe.is_packed(ex.w_gate) else "batched"
+        path = ("gather" if t * TOP_K <= moe._gather_max_rows(engine) else "loop" if moe.is_packed(ex.w_gate)
+                else "batched")
         ms = lambda s: f"{s * 1e3:.3f}" if s is not None else "-"  # noqa: E731
         print(f"| {t} | {touched} | {ms(times['moe'])} | {path} | {ms(a)} | {times['moe'] / a:.2f} | {ms(b)} | "
               f"{times['moe'] / b:.2f} | {ms(times['batched'])} | {ms(times.get('gather'))} | "

@@ -71,7 +71,7 @@ def test_a_layer_read_lazily_from_the_stack_of_layers_equals_its_own_stacks(form
     (layer, expert) in one slice and gives what the layer's own [E, ...] stacks give. float+views:
     with the layers as arrays of their own sharing the stack's memory (the runner's, on one CPU
     device), which the batched dots branch to."""
-    from jaxserve.models.expert_weights import LayerStack, layer_views
+    from jaxserve.models.expert_weights import VIEW_PARTS, LayerStack, layer_views
     from jaxserve.quantization.mxfp4 import Mxfp4Weight
     from jaxserve.quantization.qweight import QuantizedWeight
 
@@ -97,8 +97,10 @@ def test_a_layer_read_lazily_from_the_stack_of_layers_equals_its_own_stacks(form
     if form == "float+views":
         views = tuple(layer_views(w) for w in (stacked.w_gate, stacked.w_up, stacked.w_down))
         for w, vs in zip((stacked.w_gate, stacked.w_up, stacked.w_down), views):  # no bytes added
-            assert [v.unsafe_buffer_pointer() for v in vs] == [
-                w.unsafe_buffer_pointer() + i * vs[0].nbytes for i in range(3)]
+            parts = [v for layer in vs for v in layer]  # each layer's experts in VIEW_PARTS arrays
+            assert len(vs) == 3 and len(parts) == 3 * VIEW_PARTS
+            assert [v.unsafe_buffer_pointer() for v in parts] == [
+                w.unsafe_buffer_pointer() + i * parts[0].nbytes for i in range(len(parts))]
     # views: a router that sends every token to experts 0 and 1 too (the loop, for a batch that
     # leaves most experts idle: moe._busy_batched)
     skewed = moe.Router(router.weight, jnp.asarray([50.0, 50.0] + [0.0] * 6), top_k=2, norm_topk_prob=True)

@@ -40,6 +40,9 @@ from pallas_kernels.grouped_matmul import supported as pallas_supported
 
 XLA_BLOCK_M = 8  # rows per block of the XLA grouped path (a block's expert is dequantized once)
 EXPERT_STACKS = ("we_gate", "we_up", "we_down")  # a MoE layer's expert stacks, [L, E, out, in] in the params
+# layer_views: each layer's experts as this many arrays of E / VIEW_PARTS experts; the batched dots
+# run a part each, side by side on XLA:CPU (moe._stacked_swiglu)
+VIEW_PARTS = 4
 LAYER_VIEWS = "expert_layer_views"  # params["layers"][LAYER_VIEWS]: {stack name: layer_views(stack)}, when made
 
 
@@ -52,12 +55,13 @@ class LayerStack:
     stacks were copied out whole every step before the per-expert loop read a few experts (a
     1-token step of a 16-layer MoE ran 20 ms a layer, not 0.5). Paths that take whole stacks
     (batched dots, shard_maps, the Pallas kernel) `resolve` it to the layer's [E, N, K].
-    `layers`: the same stack as L arrays of their own, each aliasing its layer of `stack` (XLA:CPU,
-    one device: `layer_views`); the batched dots branch to the layer's own array
-    (moe._stacked_swiglu), which they read in place, where a slice of the stack is copied first."""
+    `layers`: the same stack as arrays of their own, each aliasing its part of `stack` (XLA:CPU,
+    one device: `layer_views`: layers[l] holds layer l's experts in VIEW_PARTS arrays [E / parts, N,
+    K]); the batched dots branch to the layer's own arrays (moe._stacked_swiglu), which they read
+    in place, where a slice of the stack is copied first."""
     stack: "ExpertWeight"
     layer: jax.Array  # i32 scalar
-    layers: tuple[jax.Array, ...] | None = None
+    layers: tuple[tuple[jax.Array, ...], ...] | None = None
 
 
 ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight | LayerStack
@@ -68,10 +72,11 @@ def resolve(w: ExpertWeight) -> ExpertWeight:
     return jax.tree.map(lambda a: a[w.layer], w.stack) if isinstance(w, LayerStack) else w
 
 
-def layer_views(stack: jax.Array) -> tuple[jax.Array, ...] | None:
-    """Each layer of a float [L, E, N, K] stack on one CPU device as an array of its own that shares
-    the stack's memory (a zero-copy device_put of a view: no bytes are added), or None where they
-    would be copies (another platform, a sharded or packed stack)."""
+def layer_views(stack: jax.Array) -> tuple[tuple[jax.Array, ...], ...] | None:
+    """Each layer of a float [L, E, N, K] stack on one CPU device as VIEW_PARTS arrays of its own
+    (consecutive experts; one array where E does not divide) that share the stack's memory (a
+    zero-copy device_put of a view: no bytes are added), or None where they would be copies
+    (another platform, a sharded or packed stack)."""
     if not isinstance(stack, jax.Array) or len(stack.devices()) != 1:
         return None
     device = next(iter(stack.devices()))
@@ -81,9 +86,13 @@ def layer_views(stack: jax.Array) -> tuple[jax.Array, ...] | None:
     # placed as the stack is: a committed input commits a program's outputs (the KV pool), and the
     # warmed-up programs would then recompile for them
     place = (lambda a: jax.device_put(a, device)) if stack.committed else jax.device_put
-    views = tuple(place(host[i]) for i in range(stack.shape[0]))
-    base, step = stack.unsafe_buffer_pointer(), host[0].nbytes
-    if all(v.unsafe_buffer_pointer() == base + i * step for i, v in enumerate(views)):
+    parts = VIEW_PARTS if stack.shape[1] % VIEW_PARTS == 0 else 1
+    size = stack.shape[1] // parts
+    views = tuple(tuple(place(host[i, p * size:(p + 1) * size]) for p in range(parts))
+                  for i in range(stack.shape[0]))
+    base, step = stack.unsafe_buffer_pointer(), host[0, :size].nbytes
+    if all(v.unsafe_buffer_pointer() == base + (i * parts + p) * step
+           for i, layer in enumerate(views) for p, v in enumerate(layer)):
         return views
     return None  # copied: drop them rather than hold the experts twice
 

@@ -2,14 +2,14 @@
 
     x [T, H] --router--> ids [T, k] i32, weights [T, k] f32
       T*k <= 4E    gather: each (token, choice) row times its own expert's weights (a loop over
-                   chunks of 8 rows; fp8 stacks: to 8 rows, mxfp4: to E): only touched experts
-                   are ever read
+                   chunks of 8 rows; with the layer's own arrays (below): to 2E; fp8 stacks: to
+                   8 rows, mxfp4: to E): only touched experts are ever read
       otherwise    batched: the T*k rows sorted by expert (group_sizes [E]); every expert's first
                    C rows in one pass of three batched dots over all the stacks; the rows of a
-                   group larger than C go through a loop over the experts that still have rows
-                   (nothing is dropped)
+                   group larger than C go through a loop over blocks of C rows of one expert,
+                   only the blocks that have rows (nothing is dropped)
                    -- in the engine (stacks read lazily, below): the batched pass on the layer's
-                   own arrays when 70% of the experts have rows, else that loop for every row
+                   own arrays when 60% of the experts have rows, else that loop for every row
                    (without the layer's arrays: the loop); packed stacks: that loop for every row
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
@@ -23,7 +23,11 @@ the loop at every size (4 layers of 128 experts: 32 against 23 ms a layer at 32 
 against 28 at 64, 47 against 41 at 256). On one CPU device the runner also hands over each
 layer's stacks as arrays of their own sharing the stack's memory (LayerStack.layers,
 expert_weights.layer_views: zero-copy, no bytes added), and the batched dots `lax.switch` to the
-layer's, reading them in place: 18.6 against 28 ms at 64 tokens, 30.7 against 42 at 256. Padding
+layer's, reading them in place: 18.6 against 28 ms at 64 tokens, 30.7 against 42 at 256. The
+views cut each layer's experts into VIEW_PARTS arrays, and the batched pass runs three dots a
+part: XLA:CPU runs the parts side by side on its cores, where one batched dot over all the
+experts kept them one (the layer scan, `bench_moe.py --scan 4`: 14.3 against 18.8-19.1 ms at 64
+tokens, 21.5 against 30.6 at 256; 2, 4, 8 and 16 parts within noise of each other). Padding
 rows of a step (`valid`) are routed nowhere: alike, they would all pick the same experts and
 overflow them.
 
@@ -68,15 +72,20 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
     tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
   * the gather path reads k experts per row, the batched one every expert: gather while
-    T*k <= 4E (_gather_max_rows), its rows in chunks of 8 independent products (_gathered_swiglu).
+    T*k <= 4E (_gather_max_rows; 2E with the layers' own arrays in parts), its rows in chunks of 8
+    independent products (_gathered_swiglu).
   * past it the batched pass reads every expert, the loop only the touched ones: with the layers'
-    own arrays the program picks the batched pass when 70% of the experts have rows (_busy_batched).
+    own arrays the program picks the batched pass when 60% of the experts have rows (_busy_batched).
+  * the rows past C: a loop over blocks of C rows of one expert, each a slice of the sorted rows
+    read and written in place; a loop over every expert a round, each writing its C slots with a
+    scatter of the whole [E*C, H], cost a scatter of the rows each round (1.2 ms at 256 tokens).
+    The batched pass's rows come back by a gather of each sorted row's slot, not a scatter.
   * the floor at 64+ tokens: a batched dot ran as fast on one core as on two (4 slots), a large
     2D dot 3x faster on two: the bound's dense product uses both cores, these dots mostly one.
-Against the bounds (BENCHMARKS.md, "MoE layer"): 0.97x the dense layer of the active width at 1
-token; at 4 tokens 0.85x the time of reading the 28 touched experts once (3.5x the active-width
-layer: no exact path reads fewer); at 64 and 256 tokens 2.0x and 2.5x of reading every touched
-expert once plus the active FLOPs (in the layer scan, the engine's setting: 2.1x and 2.7x).
+Against the bounds (BENCHMARKS.md, "MoE layer"): ~1.0x the dense layer of the active width at 1
+token; at 4 tokens 0.9x the time of reading the 28 touched experts once (3.5x the active-width
+layer: no exact path reads fewer); at 64 to 256 tokens 1.7-2.1x of reading every touched expert
+once plus the active FLOPs (FIXME).
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
@@ -103,7 +112,7 @@ from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul, model_mesh
 from jaxserve.quantization.qweight import QuantizedWeight
 
-BATCHED_TOUCHED = 0.7  # with LayerStack.layers: the batched dots when this share of the experts has rows
+BATCHED_TOUCHED = 0.6  # with LayerStack.layers: the batched dots when this share of the experts has rows
 GATHER_CHUNK = 8  # rows an iteration of the gather path's loop (_gathered_swiglu)
 SLOT_SIGMAS = 2.0  # the batched pass's slots per expert: the mean share + this many standard deviations
 MODEL_AXIS = "model"
@@ -274,7 +283,9 @@ def _gather_max_rows(experts: Experts) -> int:
     stored = _stored(experts.w_gate)
     if isinstance(stored, QuantizedWeight):
         return 8
-    return experts.num_experts * (1 if is_packed(stored) else 4)
+    if is_packed(stored):
+        return experts.num_experts
+    return experts.num_experts * (2 if _has_views(experts) else 4)
 
 
 def _has_views(experts: Experts) -> bool:
@@ -299,13 +310,22 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
 def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them. Stacks
-    with their layers' own arrays (LayerStack.layers) branch to the layer's: read in place."""
+    with their layers' own arrays (LayerStack.layers) branch to the layer's, read in place, three
+    dots for each of its parts (independent: XLA:CPU runs them side by side)."""
     if _has_views(experts):
-        def at(i: int) -> Experts:
-            return replace(experts, w_gate=experts.w_gate.layers[i], w_up=experts.w_up.layers[i],
-                           w_down=experts.w_down.layers[i])
+        def layer(xs, i: int) -> jax.Array:
+            parts = zip(experts.w_gate.layers[i], experts.w_up.layers[i], experts.w_down.layers[i])
+            outs, start = [], 0
+            for wg, wu, wd in parts:
+                cut = slice(start, start + wg.shape[0])
+                bias = lambda b: None if b is None else b[cut]  # noqa: E731
+                part = replace(experts, w_gate=wg, w_up=wu, w_down=wd, b_gate=bias(experts.b_gate),
+                               b_up=bias(experts.b_up), b_down=bias(experts.b_down))
+                outs.append(_stacked_swiglu(xs[cut], part))
+                start += wg.shape[0]
+            return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
 
-        branches = [lambda xs, i=i: _stacked_swiglu(xs, at(i)) for i in range(len(experts.w_gate.layers))]
+        branches = [lambda xs, i=i: layer(xs, i) for i in range(len(experts.w_gate.layers))]
         return jax.lax.switch(experts.w_gate.layer, branches, xs)
     # float stacks (packed ones loop: expert_swiglu), the layer's own (a LayerStack's copied out)
     wg, wu, wd = resolve(experts.w_gate), resolve(experts.w_up), resolve(experts.w_down)
@@ -378,8 +398,8 @@ def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Arr
     touched ones, and a router may leave most experts idle even at hundreds of tokens (the random
     Qwen3-MoE of scripts/moe_peer_model.py sends 512 tokens to 22-37 of 128 experts in 13 of 16 layers;
     batched there: 1381 against 1187 ms of model time for a prompt step, scripts/profile_step.py).
-    In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.22-0.33 ms a
-    touched expert and the batched pass 19-31 ms at 64-256 tokens: they break even at 66-73% of
+    In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.21-0.28 ms a
+    touched expert and the batched pass 14-21.5 ms at 64-256 tokens: they break even at 53-60% of
     128 experts touched."""
     busy = jnp.count_nonzero(sizes) >= math.ceil(BATCHED_TOUCHED * experts.num_experts)
     return jax.lax.cond(busy, _batched_swiglu, _looped_swiglu, lhs, sizes, experts)
@@ -396,17 +416,21 @@ def capacity(num_rows: int, num_experts: int) -> int:
 def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Array:
     """lhs [M, H] sorted by expert, sizes [E] rows per expert (sum <= M: the rest is not computed,
     output 0) -> [M, H]. Every expert's first C rows in one batched pass over all the weights
-    (_stacked_swiglu); the rows of a group larger than C (a skewed batch) then go through
-    `_looped_swiglu`, which reads only the experts that have them. Nothing is dropped."""
+    (_stacked_swiglu), each sorted row then gathering its slot's result; the rows of a group
+    larger than C (a skewed batch) then go through `_looped_swiglu`, which reads only the experts
+    that have them. Nothing is dropped."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
-    starts = jnp.cumsum(sizes) - sizes  # [E]
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes  # [E]
     pos = jnp.arange(c)
     valid = pos[None, :] < sizes[:, None]  # [E, C]
-    rows = jnp.where(valid, starts[:, None] + pos, m)  # m: out of range, dropped on write
-    xs = jnp.where(valid[..., None], lhs[jnp.minimum(rows, m - 1)], 0)  # [E, C, H]
-    ys = _stacked_swiglu(xs, experts)
-    out = jnp.zeros_like(lhs).at[rows.reshape(-1)].set(ys.reshape(-1, lhs.shape[1]), mode="drop")
+    xs = jnp.where(valid[..., None], lhs[jnp.minimum(starts[:, None] + pos, m - 1)], 0)  # [E, C, H]
+    ys = _stacked_swiglu(xs, experts).reshape(-1, lhs.shape[1])  # [E*C, H]
+    row_expert = jnp.searchsorted(ends, jnp.arange(m), side="right")  # [M]; E: past the groups
+    row_pos = jnp.arange(m) - starts[jnp.minimum(row_expert, num_experts - 1)]
+    slotted = (row_expert < num_experts) & (row_pos < c)
+    out = jnp.where(slotted[:, None], ys[jnp.where(slotted, row_expert * c + row_pos, 0)], 0)  # a gather: no scatter
     left = jnp.maximum(sizes - c, 0)
     return jax.lax.cond(jnp.any(left > 0), lambda: _looped_swiglu(lhs, left, experts, starts + c, out),
                         lambda: out)
@@ -415,28 +439,25 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
 def _looped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, starts: jax.Array | None = None,
                    out: jax.Array | None = None) -> jax.Array:
     """Expert e's rows starts[e] .. starts[e] + sizes[e] of lhs [M, H] (starts: the groups' own
-    starts when None) through it, written into out [M, H] (zeros when None): rounds of C slots, each
-    a loop over the experts that skips one with no rows left (its weights never read)."""
+    starts when None) through it, written into out [M, H] (zeros when None): a loop over blocks of
+    C consecutive rows of one expert, only the blocks that have rows (an expert with none is never
+    read), each block read and written in place (a slice of lhs and of out)."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
     starts = jnp.cumsum(sizes) - sizes if starts is None else starts
     out = jnp.zeros_like(lhs) if out is None else out
+    blocks = (sizes + c - 1) // c  # [E]
+    block_ends = jnp.cumsum(blocks)
 
-    def one_round(i, out):
-        def expert(args):
-            e, start, size = args
-            pos = i * c + jnp.arange(c)  # [C] rows of this round within the expert's group
-            valid = pos < size
-            rows = jnp.where(valid, start + pos, m)  # m: out of range, dropped on write
+    def block(b, out):
+        e = jnp.searchsorted(block_ends, b, side="right")  # the block's expert
+        first = starts[e] + (b - (block_ends[e] - blocks[e])) * c  # its first row
+        base = jnp.clip(first, 0, m - c)  # the slice stays in range; rows outside the block are kept
+        rows = base + jnp.arange(c)
+        mine = ((rows >= first) & (rows < jnp.minimum(first + c, starts[e] + sizes[e])))[:, None]
+        xs = jax.lax.dynamic_slice_in_dim(lhs, base, c)
+        ys = _swiglu(jnp.where(mine, xs, 0), experts, e)
+        kept = jax.lax.dynamic_slice_in_dim(out, base, c)
+        return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, ys, kept), base, 0)
 
-            def run():
-                xs = jnp.where(valid[:, None], lhs[jnp.minimum(rows, m - 1)], 0)  # [C, H]
-                return _swiglu(xs, experts, e)
-
-            return rows, jax.lax.cond(size > i * c, run, lambda: jnp.zeros((c, lhs.shape[1]), lhs.dtype))
-
-        rows, ys = jax.lax.map(expert, (jnp.arange(num_experts), starts, sizes))  # [E, C], [E, C, H]
-        return out.at[rows.reshape(-1)].set(ys.reshape(-1, ys.shape[-1]), mode="drop")
-
-    rounds = (jnp.max(sizes) + c - 1) // c
-    return jax.lax.fori_loop(0, rounds, one_round, out)
+    return jax.lax.fori_loop(0, block_ends[-1], block, out)
