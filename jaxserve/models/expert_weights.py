@@ -42,7 +42,7 @@ XLA_BLOCK_M = 8  # rows per block of the XLA grouped path (a block's expert is d
 EXPERT_STACKS = ("we_gate", "we_up", "we_down")  # a MoE layer's expert stacks, [L, E, out, in] in the params
 # layer_views: each layer's experts as this many arrays of E / VIEW_PARTS experts; the batched dots
 # run a part each, side by side on XLA:CPU (moe._stacked_swiglu)
-VIEW_PARTS = 4
+VIEW_PARTS = 8
 LAYER_VIEWS = "expert_layer_views"  # params["layers"][LAYER_VIEWS]: {stack name: layer_views(stack)}, when made
 
 

@@ -67,7 +67,8 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
   * batched dots over the stacks (w [E, N, K] . x [E, C, K] -> [E, N, C]) beat a loop of per-expert
     dots 1.5-3x at every C, the activations kept [E, I, C] between them. Asking XLA for the result
     as [E, C, N] directly (or transposing it without the optimization barrier) made it transpose
-    the weight stacks instead: 9x slower.
+    the weight stacks instead: 9x slower. The rows are gathered back from [E, N, C] as they are
+    (each sorted row's (expert, slot) column; transposing to [E, C, N] first cost 0.5-1.5 ms).
   * C = mean + 2 sigma of a uniform routing's group size (8 slots at 32-64 tokens, 24 at 256):
     against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
     tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
@@ -269,8 +270,8 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
         else:
             swiglu = _batched_swiglu
         y_sorted = swiglu(lhs, sizes, experts)  # [T*k, H]
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted)
-    return y.reshape(num_tokens, k, -1)
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))  # order's inverse
+    return y_sorted[rank].reshape(num_tokens, k, -1)  # a gather of rows: cheaper than scattering them
 
 
 def _gather_max_rows(experts: Experts) -> int:
@@ -308,7 +309,7 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
 
 
 def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
-    """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, C, H]: three batched
+    """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, H, C]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them. Stacks
     with their layers' own arrays (LayerStack.layers) branch to the layer's, read in place, three
     dots for each of its parts (independent: XLA:CPU runs them side by side)."""
@@ -338,9 +339,9 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     out = dot(wd, h, (((2,), (1,)), ((0,), (0,))))  # [E, H, C]
     if experts.b_down is not None:
         out = out + experts.b_down[:, :, None]
-    # The barrier keeps XLA from choosing the dots' output layout for this transpose: it would then
-    # transpose every weight stack instead (9x slower at 4 slots).
-    return jnp.swapaxes(jax.lax.optimization_barrier(out), 1, 2).astype(xs.dtype)
+    # The barrier keeps XLA from choosing the dots' output layout for what reads it: for a transpose
+    # it transposed every weight stack instead (9x slower at 4 slots).
+    return jax.lax.optimization_barrier(out).astype(xs.dtype)  # [E, H, C]
 
 
 def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, backend: str) -> jax.Array:
@@ -426,11 +427,11 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     pos = jnp.arange(c)
     valid = pos[None, :] < sizes[:, None]  # [E, C]
     xs = jnp.where(valid[..., None], lhs[jnp.minimum(starts[:, None] + pos, m - 1)], 0)  # [E, C, H]
-    ys = _stacked_swiglu(xs, experts).reshape(-1, lhs.shape[1])  # [E*C, H]
+    ys = _stacked_swiglu(xs, experts)  # [E, H, C]
     row_expert = jnp.searchsorted(ends, jnp.arange(m), side="right")  # [M]; E: past the groups
     row_pos = jnp.arange(m) - starts[jnp.minimum(row_expert, num_experts - 1)]
     slotted = (row_expert < num_experts) & (row_pos < c)
-    out = jnp.where(slotted[:, None], ys[jnp.where(slotted, row_expert * c + row_pos, 0)], 0)  # a gather: no scatter
+    out = jnp.where(slotted[:, None], ys[jnp.where(slotted, row_expert, 0), :, jnp.where(slotted, row_pos, 0)], 0)
     left = jnp.maximum(sizes - c, 0)
     return jax.lax.cond(jnp.any(left > 0), lambda: _looped_swiglu(lhs, left, experts, starts + c, out),
                         lambda: out)
