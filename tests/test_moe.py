@@ -47,6 +47,20 @@ def test_moe_equals_a_loop_over_experts(num_tokens, skew):
         assert sizes.max() > moe.capacity(num_tokens * 2, 8)
 
 
+@pytest.mark.parametrize("skew", [0.0, 30.0])
+def test_the_gather_path_in_chunks_of_16(skew):
+    """Past 64 rows the gather path runs chunks of 16 (moe.GATHER_CHUNK): 42 tokens x top-2 over 32
+    experts (84 rows <= 4E), the last chunk part padding; skewed: expert 0's 42 rows span 3 chunks."""
+    rng = np.random.default_rng(5)
+    ex = _experts(rng, e=32)
+    x = jnp.asarray(rng.standard_normal((42, 16)), jnp.float32)
+    bias = jnp.zeros(32).at[0].set(skew)
+    router = moe.Router(jnp.asarray(rng.standard_normal((16, 32)), jnp.float32), bias, top_k=2, norm_topk_prob=True)
+    ids, weights = moe.route(x, router)
+    assert 64 < ids.size <= moe._gather_max_rows(ex) and ids.size % moe.GATHER_CHUNK[1]
+    np.testing.assert_allclose(jax.jit(moe.moe)(x, router, ex), _reference(x, ids, weights, ex), rtol=2e-4, atol=2e-4)
+
+
 @pytest.mark.parametrize("num_tokens", [2, 40])  # gather path, batched path
 def test_bfloat16_experts_equal_the_loop_over_their_values(num_tokens):
     """`--dtype bfloat16`: bfloat16 stacks and activations through both paths, against the loop over
