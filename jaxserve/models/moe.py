@@ -26,8 +26,9 @@ expert_weights.layer_views: zero-copy, no bytes added), and the batched dots `la
 layer's, reading them in place: 18.6 against 28 ms at 64 tokens, 30.7 against 42 at 256. The
 views cut each layer's experts into VIEW_PARTS arrays, and the batched pass runs three dots a
 part: XLA:CPU runs the parts side by side on its cores, where one batched dot over all the
-experts kept them one (the layer scan, `bench_moe.py --scan 4`: 14.3 against 18.8-19.1 ms at 64
-tokens, 21.5 against 30.6 at 256; 2, 4, 8 and 16 parts within noise of each other). Padding
+experts kept them one (the layer scan, `bench_moe.py --scan 4`, batched pass: 13.1 against
+18.8-19.1 ms at 64 tokens, 20.2 against 30.6-31.3 at 256; 8 parts ran 2-8% faster than 4, 16 2%
+faster than 8, for a longer compile). Padding
 rows of a step (`valid`) are routed nowhere: alike, they would all pick the same experts and
 overflow them.
 
@@ -81,12 +82,13 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     read and written in place; a loop over every expert a round, each writing its C slots with a
     scatter of the whole [E*C, H], cost a scatter of the rows each round (1.2 ms at 256 tokens).
     The batched pass's rows come back by a gather of each sorted row's slot, not a scatter.
-  * the floor at 64+ tokens: a batched dot ran as fast on one core as on two (4 slots), a large
-    2D dot 3x faster on two: the bound's dense product uses both cores, these dots mostly one.
-Against the bounds (BENCHMARKS.md, "MoE layer"): ~1.0x the dense layer of the active width at 1
-token; at 4 tokens 0.9x the time of reading the 28 touched experts once (3.5x the active-width
-layer: no exact path reads fewer); at 64 to 256 tokens 1.7-2.1x of reading every touched expert
-once plus the active FLOPs (FIXME).
+  * the floor at 64+ tokens: the batched dots stream the stacks at about a third of a one-row
+    product's bandwidth (log.md); the parts (above) keep both cores on them.
+Against the bounds (BENCHMARKS.md, "MoE layer"): 0.9-1.3x the dense layer of the active width at
+1 token; at 4 tokens 0.7-0.8x the time of reading the 28 touched experts once (3.5x the active-width
+layer: no exact path reads fewer); at 64 to 256 tokens 1.6-1.9x of reading every touched expert
+once plus the active FLOPs in the layer scan (the engine's setting), 1.9-2.1x for one layer
+called directly.
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
