@@ -3,8 +3,8 @@
 Shape: Qwen3-30B-A3B's proportions scaled down to fit a 2-core CPU: 128 experts, top-8,
 expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 1, 4, 16, 32, 64, 256.
 
-    moe           moe.moe(x, router, experts): the engine's path choice (gather while T*k <= 4E, else
-                  batched)
+    moe           moe.moe(x, router, experts): the engine's path choice (gather while T*k <= 2E with
+                  the layer's own arrays, as here, else batched)
     batched       the batched path forced (every expert's first C rows in three batched dots; packed
                   stacks: the per-expert loop they take instead)
     gather        the gather path forced (a loop over the T*k rows, each reading its expert)
@@ -25,6 +25,9 @@ the runner makes them on one CPU device: expert_weights.layer_views), and the bo
 layers of their own arrays, each read once (an unrolled loop: a scan's slices would be copied
 first), and reports milliseconds per layer. The stacks then come from memory, not the cache, as
 in a served model.
+
+Without --scan the layer goes to moe.moe as the engine's scan hands it over (as_engine_layer: a
+one-layer LayerStack with its own arrays); ragged_dot takes the plain [E, N, K] stacks.
 
 --experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
 checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it

@@ -69,7 +69,8 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     dots 1.5-3x at every C, the activations kept [E, I, C] between them. Asking XLA for the result
     as [E, C, N] directly (or transposing it without the optimization barrier) made it transpose
     the weight stacks instead: 9x slower. The rows are gathered back from [E, N, C] as they are
-    (each sorted row's (expert, slot) column; transposing to [E, C, N] first cost 0.5-1.5 ms).
+    (each sorted row's (expert, slot) column; transposing the 8 parts' outputs to [E, C, N] first
+    cost 0.8-1.5 ms at 64-256 tokens).
   * C = mean + 2 sigma of a uniform routing's group size (8 slots at 32-64 tokens, 24 at 256):
     against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
     tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
