@@ -78,7 +78,7 @@ def ragged(x, router, ex: moe.Experts):
     kn = lambda w: jnp.swapaxes(w, 1, 2)  # noqa: E731  ragged_dot takes [E, K, N]
     h = jax.nn.silu(jax.lax.ragged_dot(lhs, kn(ex.w_gate), sizes)) * jax.lax.ragged_dot(lhs, kn(ex.w_up), sizes)
     y_sorted = jax.lax.ragged_dot(h, kn(ex.w_down), sizes)
-    y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+    y = moe.unsort(y_sorted, order).reshape(t, k, -1)
     return jnp.einsum("tkh,tk->th", y, weights)
 
 
@@ -97,7 +97,7 @@ def forced(path: str):
             sizes = jnp.bincount(flat, length=ex.num_experts)
             looped = path == "looped" or moe.is_packed(ex.w_gate)
             y_sorted = (moe._looped_swiglu if looped else moe._batched_swiglu)(lhs, sizes, ex)
-        y = jnp.zeros_like(y_sorted).at[order].set(y_sorted).reshape(t, k, -1)
+        y = moe.unsort(y_sorted, order).reshape(t, k, -1)
         return jnp.einsum("tkh,tk->th", y, weights)
     return run
 

@@ -273,8 +273,20 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
         else:
             swiglu = _batched_swiglu
         y_sorted = swiglu(lhs, sizes, experts)  # [T*k, H]
-    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))  # order's inverse
-    return y_sorted[rank].reshape(num_tokens, k, -1)  # a gather of rows: cheaper than scattering them
+    return unsort(y_sorted, order).reshape(num_tokens, k, -1)
+
+
+def unsort(y_sorted: jax.Array, order: jax.Array) -> jax.Array:
+    """Rows sorted by `order` (y_sorted[i] belongs to row order[i]) back in their own order: a
+    gather through order's inverse, cheaper than scattering the rows."""
+    rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    return y_sorted[rank]
+
+
+def _row_experts(sizes: jax.Array, num_rows: int) -> jax.Array:
+    """Each of num_rows rows sorted by expert (groups of sizes [E]) -> its expert [num_rows]; E for
+    the rows past the groups."""
+    return jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(num_rows), side="right")
 
 
 def _gather_max_rows(experts: Experts) -> int:
@@ -318,16 +330,15 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
     dots for each of its parts (independent: XLA:CPU runs them side by side)."""
     if _has_views(experts):
         def layer(xs, i: int) -> jax.Array:
-            parts = zip(experts.w_gate.layers[i], experts.w_up.layers[i], experts.w_down.layers[i])
-            outs, start = [], 0
-            for wg, wu, wd in parts:
-                cut = slice(start, start + wg.shape[0])
+            outs = []
+            for p, (wg, wu, wd) in enumerate(zip(experts.w_gate.layers[i], experts.w_up.layers[i],
+                                                 experts.w_down.layers[i])):
+                cut = slice(p * wg.shape[0], (p + 1) * wg.shape[0])  # the parts are equal (layer_views)
                 bias = lambda b: None if b is None else b[cut]  # noqa: E731
                 part = replace(experts, w_gate=wg, w_up=wu, w_down=wd, b_gate=bias(experts.b_gate),
                                b_up=bias(experts.b_up), b_down=bias(experts.b_down))
                 outs.append(_stacked_swiglu(xs[cut], part))
-                start += wg.shape[0]
-            return jnp.concatenate(outs) if len(outs) > 1 else outs[0]
+            return jnp.concatenate(outs)
 
         branches = [lambda xs, i=i: layer(xs, i) for i in range(len(experts.w_gate.layers))]
         return jax.lax.switch(experts.w_gate.layer, branches, xs)
@@ -354,7 +365,7 @@ def _grouped_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts, backend:
     up = grouped_matmul(lhs, experts.w_up, sizes, backend)
     if experts.b_gate is None and experts.b_down is None:
         return grouped_matmul(experts.act(gate, up), experts.w_down, sizes, backend)
-    row_expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(lhs.shape[0]), side="right")  # [M]; E: no group
+    row_expert = _row_experts(sizes, lhs.shape[0])  # [M]; E: no group
     live = (row_expert < sizes.shape[0])[:, None]
 
     def bias(b):  # each sorted row's expert's bias [M, n] (0 past the groups, or with no bias)
@@ -427,13 +438,12 @@ def _batched_swiglu(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.A
     that have them. Nothing is dropped."""
     m, num_experts = lhs.shape[0], experts.num_experts
     c = capacity(m, num_experts)
-    ends = jnp.cumsum(sizes)
-    starts = ends - sizes  # [E]
+    starts = jnp.cumsum(sizes) - sizes  # [E]
     pos = jnp.arange(c)
     valid = pos[None, :] < sizes[:, None]  # [E, C]
     xs = jnp.where(valid[..., None], lhs[jnp.minimum(starts[:, None] + pos, m - 1)], 0)  # [E, C, H]
     ys = _stacked_swiglu(xs, experts)  # [E, H, C]
-    row_expert = jnp.searchsorted(ends, jnp.arange(m), side="right")  # [M]; E: past the groups
+    row_expert = _row_experts(sizes, m)  # [M]; E: past the groups
     row_pos = jnp.arange(m) - starts[jnp.minimum(row_expert, num_experts - 1)]
     slotted = (row_expert < num_experts) & (row_pos < c)
     out = jnp.where(slotted[:, None], ys[jnp.where(slotted, row_expert, 0), :, jnp.where(slotted, row_pos, 0)], 0)
