@@ -14,7 +14,7 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
                   1 row, U = experts the batch touches) plus the active FLOPs (a dense SwiGLU of
                   width k x I at T rows, its time), summed
 
-    .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts fp8_block|mxfp4]
+    .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts bf16|fp8_block|mxfp4]
     .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / bfloat16 / fp8_block / mxfp4 stacks
     .venv/bin/python scripts/bench_moe.py --scan 4    # as the engine runs it: in a scan over 4 layers
 
@@ -31,7 +31,11 @@ one-layer LayerStack with its own arrays); ragged_dot takes the plain [E, N, K] 
 
 --experts packs the expert stacks (block-wise fp8 with 64 x 64 blocks, or MXFP4) as a quantized
 checkpoint loads them; the paths then unpack the experts they touch (ragged_dot is skipped: it
-takes float stacks only). The bounds stay float32.
+takes float stacks only). --experts bf16: the values rounded to bfloat16 and kept as their bits,
+as the CPU default keeps a bfloat16 checkpoint's experts (expert_weights.bf16_bits), and `moe`
+given the engine's step dots (bfloat16 from 64 tokens on a CPU with bfloat16 dots: the batched
+dots then read the layer's own arrays as bfloat16; below, past the gather path, the loop); the
+forced batched path always takes the bfloat16 dots. The bounds stay float32.
 
 Targets (issue 38): moe within 1.5x of (a) at 1 and 4 tokens, within 2x of (b) at 64+.
 """
@@ -39,6 +43,7 @@ Targets (issue 38): moe within 1.5x of (a) at 1 and 4 tokens, within 2x of (b) a
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 
@@ -103,9 +108,14 @@ def forced(path: str):
 
 
 def pack(ex: moe.Experts, form: str) -> moe.Experts:
-    """The float stacks [E, N, K] in `form`, as a checkpoint of that format loads them."""
+    """The float stacks [E, N, K] in `form`, as a checkpoint of that format loads them (bf16: the
+    values rounded to bfloat16, stored as their bits, as the CPU default stores a bfloat16
+    checkpoint's experts)."""
     if form == "float":
         return ex
+    if form == "bf16":
+        from jaxserve.models.expert_weights import bf16_bits
+        return jax.tree.map(lambda w: bf16_bits(w.astype(jnp.bfloat16).astype(jnp.float32)), ex)
     from jaxserve.quantization.mxfp4 import Mxfp4Weight
     from jaxserve.quantization.qweight import QuantizedWeight
 
@@ -146,18 +156,26 @@ def layer(hidden: int, seed: int = 0):
     return ex, moe.Router(w(NUM_EXPERTS, hidden).T, None, TOP_K, True), w
 
 
-def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) -> None:
+def step_dots(form: str, tokens: int):
+    """The dots dtype the engine's step of `tokens` tokens hands the layer with `form` experts (bf16:
+    the CPU default's bfloat16 dots from sizing.CPU_BF16_DOTS_FROM tokens, where the CPU has them);
+    None (float32) for the other forms, as the tables before them were measured."""
+    from jaxserve.worker import sizing
+    return jnp.bfloat16 if form == "bf16" and tokens >= (sizing.default_bf16_dots_from(True) or tokens + 1) else None
+
+
+def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], form: str = "float") -> None:
     """--scan: the moe paths and the bounds, each in a scan over `num_layers` layers (ms per layer)."""
     from jaxserve.models.expert_weights import LayerStack, layer_views
 
     i = int(hidden * WIDTH)
     made = [layer(hidden, seed=s) for s in range(num_layers)]
     w = made[0][2]
-    stacks = jax.tree.map(lambda *a: jnp.stack(a), *[ex for ex, _, _ in made])  # [L, E, N, K] each
+    stacks = pack(jax.tree.map(lambda *a: jnp.stack(a), *[ex for ex, _, _ in made]), form)  # [L, E, N, K] each
     stacks = (stacks, jax.tree.map(layer_views, stacks))  # the stacks and their layers' own arrays
     routers = jnp.stack([r.weight for _, r, _ in made])  # [L, H, E]
 
-    def scanned(path: str):
+    def scanned(path: str, dots=None):
         def run(x, stacks, routers):
             def body(h, xs):
                 rw, li = xs
@@ -166,7 +184,7 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) ->
                     (whole.w_gate, whole.w_up, whole.w_down), (views.w_gate, views.w_up, views.w_down))))
                 router = moe.Router(rw, None, TOP_K, True)
                 if path == "moe":
-                    return h + moe.moe(h, router, ex), None
+                    return h + moe.moe(h, router, ex, dots), None
                 return h + forced(path)(h, router, ex), None
             return jax.lax.scan(body, x, (routers, jnp.arange(num_layers)))[0]
         return jax.jit(run)
@@ -180,12 +198,12 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int]) ->
     stackw = lambda *shape: [w(*shape).T for _ in range(num_layers)]  # noqa: E731  L arrays [in, out]
     active = (stackw(TOP_K * i, hidden), stackw(TOP_K * i, hidden), stackw(hidden, TOP_K * i))
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; hidden {hidden}, {NUM_EXPERTS} experts of "
-          f"width {i}, top-{TOP_K}, float32; a scan over {num_layers} layers, ms per layer, median of {repeats}")
+          f"width {i}, top-{TOP_K}, experts {form}; a scan over {num_layers} layers, ms per layer, median of {repeats}")
     print("| tokens | touched | moe ms | (a) ms | moe/(a) | (b) ms | moe/(b) | looped ms | gather ms | batched ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    fns = {p: scanned(p) for p in ("moe", "looped", "gather", "batched")}
     rng = np.random.default_rng(1)
     for t in tokens:
+        fns = {p: scanned(p, step_dots(form, t)) for p in ("moe", "looped", "gather", "batched")}
         x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
         ids, _ = moe.route(x, made[0][1])
         touched = int(np.unique(np.asarray(ids)).size)
@@ -205,12 +223,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--experts", default="float", choices=["float", "fp8_block", "mxfp4"])
+    p.add_argument("--experts", default="float", choices=["float", "bf16", "fp8_block", "mxfp4"])
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--scan", type=int, default=0, metavar="L", help="in a scan over L layers (see above)")
     args = p.parse_args()
     if args.scan:
-        return scan_table(args.hidden, args.scan, args.repeats, args.tokens)
+        return scan_table(args.hidden, args.scan, args.repeats, args.tokens, args.experts)
     h, i = args.hidden, int(args.hidden * WIDTH)
     ex, router, w = layer(h)
     ex = pack(ex, args.experts)
@@ -221,7 +239,7 @@ def main() -> None:
     print("| tokens | touched | moe ms | path | (a) dense ms | moe/(a) | (b) ms | moe/(b) | batched ms | "
           "gather ms | ragged_dot ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    fns = {"moe": jax.jit(moe.moe), "batched": jax.jit(forced("batched")), "gather": jax.jit(forced("gather"))}
+    fns = {"moe": None, "batched": jax.jit(forced("batched")), "gather": jax.jit(forced("gather"))}
     if args.experts == "float":
         fns["ragged"] = jax.jit(ragged)
     dense = jax.jit(dense_swiglu)
@@ -230,13 +248,15 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal((t, h), np.float32))
         ids, _ = moe.route(x, router)
         touched = int(np.unique(np.asarray(ids)).size)
+        dots = step_dots(args.experts, t)
+        fns["moe"] = jax.jit(functools.partial(moe.moe, dots=dots))
         times = {name: timeit(f, x, router, ex if name == "ragged" else engine, repeats=args.repeats)
                  for name, f in fns.items() if not (name == "gather" and t > 64)}
         a = timeit(dense, x, *active, repeats=args.repeats)
         wide = (w(touched * i, h).T, w(touched * i, h).T, w(h, touched * i).T)
         b = timeit(dense, x[:1], *wide, repeats=args.repeats) + a
-        path = ("gather" if t * TOP_K <= moe._gather_max_rows(engine) else "loop" if moe.is_packed(ex.w_gate)
-                else "batched")
+        looped = moe.is_packed(ex.w_gate) or (args.experts == "bf16" and dots is None)
+        path = "gather" if t * TOP_K <= moe._gather_max_rows(engine) else "loop" if looped else "batched"
         ms = lambda s: f"{s * 1e3:.3f}" if s is not None else "-"  # noqa: E731
         print(f"| {t} | {touched} | {ms(times['moe'])} | {path} | {ms(a)} | {times['moe'] / a:.2f} | {ms(b)} | "
               f"{times['moe'] / b:.2f} | {ms(times['batched'])} | {ms(times.get('gather'))} | "

@@ -127,6 +127,49 @@ def test_a_layer_read_lazily_from_the_stack_of_layers_equals_its_own_stacks(form
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_tokens", [3, 40])  # gather path; the loop (float32 dots) or the batched dots (bfloat16)
+def test_bfloat16_bits_read_as_their_float32_values(num_tokens):
+    """Stacks of bfloat16 values kept as their bits (the CPU default's experts of a bfloat16
+    checkpoint: half the bytes), read lazily with the layers' own arrays: every float32 path gives
+    exactly what the float32 stacks give; in a step of bfloat16 dots the batched dots read the
+    layers' own arrays as bfloat16 (products of bfloat16-rounded rows)."""
+    from jaxserve.models.expert_weights import BF16_BITS, VIEW_PARTS, LayerStack, bf16_bits, layer_views
+
+    rng = np.random.default_rng(11)
+    rounded = lambda w: w.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
+    layers = [jax.tree.map(rounded, _experts(rng, e=8, h=64, i=64)) for _ in range(3)]
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)  # [3, E, N, K] float32
+    bits = jax.tree.map(bf16_bits, stacked)
+    assert bf16_bits(stacked.w_gate + 1e-3) is None  # a value bfloat16 would round: kept float32
+    for w, b in zip((stacked.w_gate, stacked.w_up, stacked.w_down), (bits.w_gate, bits.w_up, bits.w_down)):
+        assert b.dtype == BF16_BITS and 2 * b.nbytes == w.nbytes
+        np.testing.assert_array_equal(np.asarray(b).astype(np.uint32) << 16, np.asarray(w).view(np.uint32))
+    views = tuple(layer_views(w) for w in (bits.w_gate, bits.w_up, bits.w_down))
+    assert all(v.dtype == jnp.bfloat16 for vs in views for layer in vs for v in layer)
+    x = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.float32)
+    router = moe.Router(jnp.asarray(rng.standard_normal((64, 8)), jnp.float32), None, top_k=2, norm_topk_prob=True)
+
+    def lazy(x, st, vs, l, dots):
+        return moe.moe(x, router, moe.Experts(*(LayerStack(w, l, v) for w, v in zip((st.w_gate, st.w_up, st.w_down), vs))),
+                       dots)
+
+    for layer in (0, 2):
+        want = jax.jit(moe.moe)(x, router, layers[layer])
+        got = jax.jit(lazy, static_argnums=4)(x, bits, views, jnp.int32(layer), None)
+        # the same path over the float32 stacks (read lazily without views: gather, else the loop)
+        same = jax.jit(lazy, static_argnums=4)(x, stacked, (None,) * 3, jnp.int32(layer), None)
+        np.testing.assert_array_equal(got, same)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        if num_tokens * 2 > moe._gather_max_rows(moe.Experts(*(LayerStack(w, jnp.int32(0), v) for w, v in zip(
+                (bits.w_gate, bits.w_up, bits.w_down), views)))):
+            step = jax.jit(lazy, static_argnums=4)
+            hlo = step.lower(x, bits, views, jnp.int32(layer), jnp.bfloat16).as_text()
+            expert_dots = [ln for ln in hlo.splitlines() if "dot_general" in ln and "tensor<1x64x64xbf16>" in ln]
+            assert len(expert_dots) == 3 * VIEW_PARTS * 3  # 3 layers' branches x 8 parts x gate, up, down
+            got = step(x, bits, views, jnp.int32(layer), jnp.bfloat16)
+            np.testing.assert_allclose(got, want, rtol=3e-2, atol=3e-2)
+
+
 def test_padding_rows_are_routed_nowhere():
     """`valid` (the step's real tokens): padding rows come out 0 and leave the real rows as they
     are, however many of them pick the same experts."""

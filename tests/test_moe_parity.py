@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("torch")
@@ -101,6 +102,30 @@ def test_served_over_http_with_no_compilation_after_warmup(checkpoints, engines)
             assert bad.status_code == 400 and "max_tokens" in bad.text
             metrics = httpx.get(f"{url}/metrics", timeout=30).text
         assert re.search(r"^jaxserve:xla_compilations_after_warmup_total(\{[^}]*\})? 0\.0$", metrics, re.M), metrics
+        assert engine.get_stats().num_compilations_after_warmup == 0
+    finally:
+        engine.shutdown()
+
+
+def test_cpu_default_keeps_bfloat16_experts_as_their_bits(checkpoints):
+    """`--dtype auto` on a CPU with bfloat16 dots: the bfloat16 checkpoint's expert stacks stay
+    bfloat16 (their bits, half float32's bytes; the other weights float32), and steps of float32
+    dots (here every step: 16 tokens at most) read them as their exact float32 values: transformers'
+    float32 greedy tokens."""
+    from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS
+    from jaxserve.worker import sizing
+
+    if not sizing.cpu_has_bf16_dots():
+        pytest.skip("this CPU has no bfloat16 dot instructions: the CPU default keeps float32 experts")
+    path, reference = checkpoints["mixtral"]
+    engine = make_engine(path, dtype="auto")
+    try:
+        cfg, layers = engine.model.config, engine.runner.params["layers"]
+        assert engine.config.bf16_dots_from > 16
+        assert engine.runner.params["embed"].dtype == layers["wq"].dtype == jnp.float32
+        for name in EXPERT_STACKS:  # [L, E, N, K]: 3 layers x 8 experts of 32 x 64, 2 bytes each
+            assert layers[name].dtype == BF16_BITS and layers[name].nbytes == cfg.num_layers * 8 * 32 * 64 * 2
+        assert engine_greedy(engine) == reference
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()

@@ -40,7 +40,8 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
-from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
+from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, kv_values_dtype, resolve_backend
+from jaxserve.models.expert_weights import with_bf16_bits
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
@@ -121,6 +122,8 @@ class LLMEngine:
         self.lora = (LoRAManager(cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
                      if args.enable_lora else None)
         lora_dtype = None if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
+        if mesh is None and self.pipeline is None:
+            self.model = _bf16_experts(self.model, self.config)
         self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -392,6 +395,19 @@ def platform_defaults_note(config: EngineConfig) -> str:
             f"BENCHMARKS.md). The exact float32 configuration, the one held to "
             f"transformers: --block-size {sizing.ACCELERATOR_BLOCK_SIZE} "
             f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE} --speculative-config '{{}}' --dtype float32")
+
+
+def _bf16_experts(model: LoadedModel, config: EngineConfig) -> LoadedModel:
+    """The CPU default (`--dtype auto` on one CPU device with bfloat16 dots) keeps a bfloat16
+    checkpoint's MoE expert stacks as their bfloat16 bits, half float32's bytes: every path reads
+    them widened to float32 exactly, and the batched dots of the steps that take bfloat16 dots read
+    them as bfloat16 (models/expert_weights.py). Other weights, and other settings, as loaded."""
+    if not config.bf16_dots_from or config.attention_backend in PALLAS_BACKENDS or "layers" not in model.params:
+        return model
+    layers = with_bf16_bits(model.params["layers"])
+    if layers is model.params["layers"]:
+        return model
+    return dataclasses.replace(model, params={**model.params, "layers": layers})
 
 
 def _read_template(value: str) -> str:

@@ -4,6 +4,10 @@ Every form is output-major, each expert [out, in] as nn.Linear and the hub store
 the last axis (x @ w.T) lets XLA:CPU read an expert inside the dot's own loop (models/moe.py).
 
     float            jax.Array [E, N, K]
+    bf16 bits        jax.Array [E, N, K] of dtype uint16: bfloat16 values' bits (the CPU default's
+                     experts of a bfloat16 checkpoint, half float32's bytes: `bf16_bits`); every
+                     reader widens them to float32 exactly, inside the product that reads them
+                     (`widen`: a bfloat16-typed stack is converted whole by XLA:CPU before any use)
     fp8_block        QuantizedWeight: values e4m3 [E, N, K], scales f32 [E, cdiv(N, bn), cdiv(K, bk)]
                      (block-wise FP8 checkpoints: Qwen3-*-FP8, transformers' FineGrainedFP8)
     mxfp4            Mxfp4Weight: blocks u8 [E, N, K / 32, 16], scales u8 [E, N, K / 32] (gpt-oss)
@@ -43,6 +47,7 @@ EXPERT_STACKS = ("we_gate", "we_up", "we_down")  # a MoE layer's expert stacks, 
 # layer_views: each layer's experts as this many arrays of E / VIEW_PARTS experts; the batched dots
 # run a part each, side by side on XLA:CPU (moe._stacked_swiglu)
 VIEW_PARTS = 8
+BF16_BITS = jnp.uint16  # a float stack of this dtype holds bfloat16 bits (`widen`)
 LAYER_VIEWS = "expert_layer_views"  # params["layers"][LAYER_VIEWS]: {stack name: layer_views(stack)}, when made
 
 
@@ -67,6 +72,38 @@ class LayerStack:
 ExpertWeight = jax.Array | QuantizedWeight | Mxfp4Weight | LayerStack
 
 
+def widen(a: jax.Array) -> jax.Array:
+    """A float stack's values: bfloat16 bits (uint16) widened to float32 exactly (a shift, fused
+    into the reader's loop on XLA:CPU); other dtypes as they are."""
+    if a.dtype != BF16_BITS:
+        return a
+    return jax.lax.bitcast_convert_type(a.astype(jnp.uint32) << 16, jnp.float32)
+
+
+def bf16_bits(stack: jax.Array) -> jax.Array | None:
+    """A float32 stack on one device whose values are all bfloat16 values (a bfloat16 checkpoint
+    loaded in float32) as their bfloat16 bits (uint16, placed as the stack is), or None where that
+    would round a value. Converted one leading index at a time (no whole-stack temporaries)."""
+    if not isinstance(stack, jax.Array) or stack.dtype != jnp.float32 or len(stack.devices()) != 1:
+        return None
+    words = np.asarray(stack).view(np.uint32)
+    bits = np.empty(words.shape, np.uint16)
+    for i in range(words.shape[0]):
+        if np.any(words[i] & 0xFFFF):
+            return None
+        bits[i] = words[i] >> 16
+    return jax.device_put(bits, next(iter(stack.devices()))) if stack.committed else jax.device_put(bits)
+
+
+def with_bf16_bits(layers: dict) -> dict:
+    """The params' `layers` with every expert stack as its bfloat16 bits (`bf16_bits`) where all of
+    them hold bfloat16 values; otherwise `layers` as they are."""
+    bits = {k: bf16_bits(layers[k]) for k in EXPERT_STACKS if k in layers}
+    if not bits or any(v is None for v in bits.values()):
+        return layers
+    return {**layers, **bits}
+
+
 def resolve(w: ExpertWeight) -> ExpertWeight:
     """The layer's own [E, N, K] stack of a LayerStack (a copy of it, on XLA); other forms as they are."""
     return jax.tree.map(lambda a: a[w.layer], w.stack) if isinstance(w, LayerStack) else w
@@ -75,14 +112,16 @@ def resolve(w: ExpertWeight) -> ExpertWeight:
 def layer_views(stack: jax.Array) -> tuple[tuple[jax.Array, ...], ...] | None:
     """Each layer of a float [L, E, N, K] stack on one CPU device as VIEW_PARTS arrays of its own
     (consecutive experts; one array where E does not divide) that share the stack's memory (a
-    zero-copy device_put of a view: no bytes are added), or None where they would be copies
-    (another platform, a sharded or packed stack)."""
+    zero-copy device_put of a view: no bytes are added; bfloat16 arrays over a stack of bfloat16
+    bits), or None where they would be copies (another platform, a sharded or packed stack)."""
     if not isinstance(stack, jax.Array) or len(stack.devices()) != 1:
         return None
     device = next(iter(stack.devices()))
     if device.platform != "cpu":
         return None
     host = np.asarray(stack)  # the stack's own memory on the CPU
+    if host.dtype == BF16_BITS:  # typed bfloat16: the batched dots read them natively (moe._stacked_swiglu)
+        host = host.view(jnp.bfloat16)
     # placed as the stack is: a committed input commits a program's outputs (the KV pool), and the
     # warmed-up programs would then recompile for them
     place = (lambda a: jax.device_put(a, device)) if stack.committed else jax.device_put
@@ -134,7 +173,7 @@ def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
     about 60 us for a 192 x 512 fp8 expert on XLA:CPU, the price of fp8 experts at decode there)."""
     if isinstance(w, LayerStack):  # the layer and the expert in one slice (no copy of the layer)
         if not is_packed(w):
-            return w.stack[w.layer, e].T
+            return widen(w.stack[w.layer, e]).T
         w, e = jax.tree.map(lambda a: a[w.layer, e][None], w.stack), jnp.zeros((), jnp.int32)  # [1, ...]
     if isinstance(w, Mxfp4Weight):
         return dequantize_experts(w, jnp.reshape(e, (1,)), dtype)[0].T
@@ -142,7 +181,7 @@ def expert_weight(w: ExpertWeight, e: jax.Array, dtype: jnp.dtype) -> jax.Array:
         check_expert_weight(w)
         one = jax.tree.map(lambda a: a[e], w)  # values [N, K], scales [Gn, Gk]
         return dequantize(one, dtype).T
-    return w[e].T
+    return widen(w[e]).T
 
 
 def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -154,7 +193,7 @@ def take_experts(w: ExpertWeight, expert_ids: jax.Array, dtype: jnp.dtype) -> ja
     if isinstance(w, QuantizedWeight):
         check_expert_weight(w)
         return dequantize(jax.tree.map(lambda a: jnp.take(a, ids, axis=0), w), dtype)
-    return jnp.take(w, ids, axis=0).astype(dtype)
+    return widen(jnp.take(w, ids, axis=0)).astype(dtype)
 
 
 def whole(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
@@ -165,7 +204,7 @@ def whole(w: ExpertWeight, dtype: jnp.dtype) -> jax.Array:
     if isinstance(w, QuantizedWeight):
         check_expert_weight(w)
         return dequantize(w, dtype)
-    return w.astype(dtype)
+    return widen(w).astype(dtype)
 
 
 def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, backend: str = "xla",
@@ -185,7 +224,7 @@ def grouped_matmul(lhs: jax.Array, w: ExpertWeight, group_sizes: jax.Array, back
     if is_packed(w) and num_blocks >= num_experts(w):  # more blocks than experts: unpack each expert once
         w = whole(w, dtype)
     if backend in PALLAS_BACKENDS and not is_packed(w) and pallas_supported(lhs.shape[1], w.shape[1]):
-        out = pallas_grouped_matmul(lhs.astype(dtype), w.astype(dtype), group_sizes.astype(jnp.int32),
+        out = pallas_grouped_matmul(lhs.astype(dtype), widen(w).astype(dtype), group_sizes.astype(jnp.int32),
                                     interpret=backend == PALLAS_INTERPRET)
         return out.astype(lhs.dtype)
     return _blocked(lhs, w, group_sizes, dtype)

@@ -52,9 +52,13 @@ dequantized inside the program, only the touched experts: the gather path unpack
 expert (fp8: up to 8 rows, `_gather_max_rows`); past it `_looped_swiglu`, a loop over the
 experts, unpacks each touched one once for its rows (unpacking all the stacks for the batched
 dots cost 2-3x more: 70 against 28-34 ms at 64 tokens). The experts run in their weights' dtype:
-the CPU default's bfloat16 dots from 64 tokens (engine/config.py, bf16_dots_from) reach the
-router only; casting float32 stacks each step cost more than the dots saved (43 against 18 ms
-for the layer at 64 tokens).
+casting float32 stacks to bfloat16 each step cost more than the dots saved (43 against 18 ms for
+the layer at 64 tokens). The CPU default instead keeps a bfloat16 checkpoint's experts as their
+bits (expert_weights.bf16_bits, made by LLMEngine where the CPU has bfloat16 dots): every path
+widens the experts it reads to float32 exactly inside its product, and in a step of bfloat16 dots
+(engine/config.py, bf16_dots_from: 64+ tokens) the batched dots read the layers' own arrays as
+bfloat16 (below that, past the gather path, the loop). In the layer scan that is 1.3-1.8x faster
+than float32 stacks at 1-32 tokens and 1.9-2.3x at 64-256 (`bench_moe.py --scan 4 --experts bf16`).
 
 Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
@@ -110,8 +114,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.attention import PALLAS_BACKENDS
-from jaxserve.models.expert_weights import (ExpertWeight, LayerStack, expert_weight, first_leaf,
-                                            grouped_matmul, is_packed, resolve)
+from jaxserve.models.expert_weights import (BF16_BITS, ExpertWeight, LayerStack, expert_weight, first_leaf,
+                                            grouped_matmul, is_packed, resolve, widen)
 from jaxserve.models.expert_weights import num_experts as stack_size
 from jaxserve.quantization.matmul import matmul, model_mesh
 from jaxserve.quantization.qweight import QuantizedWeight
@@ -188,7 +192,7 @@ def moe(x: jax.Array, router: Router, experts: Experts, dots: jnp.dtype | None =
     if mesh is not None and not expert_parallel and _kernel_on_slices(experts, mesh):
         return _intermediate_split(x, ids, weights, experts, backend, mesh)
     if mesh is None or not expert_parallel:
-        return _combine(expert_swiglu(x, ids, experts, backend), weights, x.dtype)
+        return _combine(expert_swiglu(x, ids, experts, backend, dots), weights, x.dtype)
 
     def shard(x, ids, weights, experts):  # experts: this device's E / n of them
         local = experts.num_experts
@@ -250,9 +254,11 @@ def _combine(y: jax.Array, weights: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return jnp.einsum("tkh,tk->th", y, weights.astype(y.dtype)).astype(dtype)
 
 
-def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str = "xla") -> jax.Array:
+def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str = "xla",
+                  dots: jnp.dtype | None = None) -> jax.Array:
     """x [T, H], ids [T, k] (an id of E or more: a row nobody computes, output 0) -> [T, k, H].
-    The one place the path is chosen (see the module docstring)."""
+    The one place the path is chosen (see the module docstring). dots: the step's dot dtype
+    (bfloat16: stacks of bfloat16 bits may take the batched dots, in bfloat16)."""
     num_tokens, k = ids.shape
     grouped = backend in PALLAS_BACKENDS
     flat = ids.reshape(-1)  # [T*k]
@@ -266,8 +272,8 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
             swiglu = lambda *a: _grouped_swiglu(*a, backend)  # noqa: E731
         elif is_packed(experts.w_gate):  # unpacking every stack each step costs more than the loop
             swiglu = _looped_swiglu
-        elif _has_views(experts):  # the batched dots on the layer's own arrays, when most experts have rows
-            swiglu = _busy_batched
+        elif _has_views(experts) and (dots == jnp.bfloat16 or not _bf16_bits(experts)):
+            swiglu = _busy_batched  # the batched dots on the layer's own arrays, when most experts have rows
         elif isinstance(experts.w_gate, LayerStack):  # the batched dots would copy the layer's stacks out
             swiglu = _looped_swiglu
         else:
@@ -310,6 +316,13 @@ def _has_views(experts: Experts) -> bool:
     return all(isinstance(w, LayerStack) and w.layers is not None for w in ws)
 
 
+def _bf16_bits(experts: Experts) -> bool:
+    """Whether the stacks hold bfloat16 bits (expert_weights.widen): their layers' own arrays are
+    then bfloat16, whose batched dots round the rows to bfloat16 -- taken only in steps whose dots
+    are bfloat16 anyway (the CPU default's, from 64 tokens), else the loop (exact float32 products)."""
+    return first_leaf(experts.w_gate).dtype == BF16_BITS
+
+
 def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     """x [C, H] through expert e (traced) -> [C, H]. Each weight is `x @ w[e].T` (expert_weight: a
     float expert's slice, transpose and dot fuse into one XLA:CPU loop that reads it once; a
@@ -323,12 +336,15 @@ def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     return (out if experts.b_down is None else out + experts.b_down[e]).astype(x.dtype)
 
 
-def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
+def _stacked_swiglu(xs: jax.Array, experts: Experts, sums: jnp.dtype | None = None) -> jax.Array:
     """xs [E, C, H] (expert e's C slots) through every expert at once -> [E, H, C]: three batched
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them. Stacks
     with their layers' own arrays (LayerStack.layers) branch to the layer's, read in place, three
-    dots for each of its parts (independent: XLA:CPU runs them side by side)."""
+    dots for each of its parts (independent: XLA:CPU runs them side by side). sums: the dots'
+    result dtype (None: the weights'); the layers' own arrays of bfloat16 bits are bfloat16, their
+    products summed in float32."""
     if _has_views(experts):
+        sums = jnp.float32 if _bf16_bits(experts) else None
         def layer(xs, i: int) -> jax.Array:
             outs = []
             for p, (wg, wu, wd) in enumerate(zip(experts.w_gate.layers[i], experts.w_up.layers[i],
@@ -337,14 +353,16 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts) -> jax.Array:
                 bias = lambda b: None if b is None else b[cut]  # noqa: E731
                 part = replace(experts, w_gate=wg, w_up=wu, w_down=wd, b_gate=bias(experts.b_gate),
                                b_up=bias(experts.b_up), b_down=bias(experts.b_down))
-                outs.append(_stacked_swiglu(xs[cut], part))
+                outs.append(_stacked_swiglu(xs[cut], part, sums))
             return jnp.concatenate(outs)
 
         branches = [lambda xs, i=i: layer(xs, i) for i in range(len(experts.w_gate.layers))]
         return jax.lax.switch(experts.w_gate.layer, branches, xs)
     # float stacks (packed ones loop: expert_swiglu), the layer's own (a LayerStack's copied out)
     wg, wu, wd = resolve(experts.w_gate), resolve(experts.w_up), resolve(experts.w_down)
-    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims)  # noqa: E731
+    wg, wu, wd = widen(wg), widen(wu), widen(wd)  # bfloat16 bits without their layers' arrays: a copy
+    dot = lambda w, a, dims: jax.lax.dot_general(w, a.astype(w.dtype), dims,  # noqa: E731
+                                                 preferred_element_type=sums)
     batched = (((2,), (2,)), ((0,), (0,)))  # w [E, N, K] . x [E, C, K] -> [E, N, C]
     gate, up = dot(wg, xs, batched), dot(wu, xs, batched)  # [E, I, C]
     if experts.b_gate is not None:
