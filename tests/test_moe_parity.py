@@ -125,6 +125,8 @@ def test_cpu_default_keeps_bfloat16_experts_as_their_bits(checkpoints):
         assert engine.runner.params["embed"].dtype == layers["wq"].dtype == jnp.float32
         for name in EXPERT_STACKS:  # [L, E, N, K]: 3 layers x 8 experts of 32 x 64, 2 bytes each
             assert layers[name].dtype == BF16_BITS and layers[name].nbytes == cfg.num_layers * 8 * 32 * 64 * 2
+        size = 3 * cfg.num_layers * 8 * 32 * 64 * 2 / 2**20
+        assert f"MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB" in engine.startup_report()
         assert engine_greedy(engine) == reference
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:

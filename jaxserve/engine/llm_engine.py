@@ -41,7 +41,7 @@ from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, kv_values_dtype, resolve_backend
-from jaxserve.models.expert_weights import with_bf16_bits
+from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS, with_bf16_bits
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
@@ -380,7 +380,7 @@ class LLMEngine:
                 f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s"
-                + platform_defaults_note(self.config))
+                + _bf16_experts_note(self.model.params) + platform_defaults_note(self.config))
 
 
 def platform_defaults_note(config: EngineConfig) -> str:
@@ -408,6 +408,16 @@ def _bf16_experts(model: LoadedModel, config: EngineConfig) -> LoadedModel:
     if layers is model.params["layers"]:
         return model
     return dataclasses.replace(model, params={**model.params, "layers": layers})
+
+
+def _bf16_experts_note(params: dict) -> str:
+    """The start-up report's word on experts kept as bfloat16 bits (`_bf16_experts`), else empty."""
+    stacks = [params.get("layers", {}).get(k) for k in EXPERT_STACKS]
+    if not all(isinstance(w, jax.Array) and w.dtype == BF16_BITS for w in stacks):
+        return ""
+    size = sum(w.nbytes for w in stacks) / 2**20
+    return (f"; MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB, half of float32's (the weights "
+            f"figure counts them at float32; --dtype float32 keeps float32)")
 
 
 def _read_template(value: str) -> str:
