@@ -9,8 +9,9 @@
                    group larger than C go through a loop over blocks of C rows of one expert,
                    only the blocks that have rows (nothing is dropped)
                    -- in the engine (stacks read lazily, below): the batched pass on the layer's
-                   own arrays when 60% of the experts have rows, else that loop for every row
-                   (without the layer's arrays: the loop); packed stacks: that loop for every row
+                   own arrays when 60% of the experts have rows (30% in bfloat16: below),
+                   else that loop for every row (without the layer's arrays: the loop); packed
+                   stacks: that loop for every row
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
 In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
@@ -82,7 +83,8 @@ H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side
     T*k <= 4E (_gather_max_rows; 2E with the layers' own arrays in parts), its rows in chunks of 8
     (16 past 64 rows) independent products (_gathered_swiglu).
   * past it the batched pass reads every expert, the loop only the touched ones: with the layers'
-    own arrays the program picks the batched pass when 60% of the experts have rows (_busy_batched).
+    own arrays the program picks the batched pass when 60% of the experts have rows (_busy_batched;
+    30% for bfloat16 experts, whose batched dots are bfloat16).
   * the rows past C: a loop over blocks of C rows of one expert, each a slice of the sorted rows
     read and written in place; a loop over every expert a round, each writing its C slots with a
     scatter of the whole [E*C, H], cost a scatter of the rows each round (1.2 ms at 256 tokens).
