@@ -17,6 +17,7 @@ expert width I = 0.375 x hidden (768 / 2048), hidden 512, float32. Token counts 
     .venv/bin/python scripts/bench_moe.py [--hidden 512] [--repeats 20] [--experts bf16|fp8_block|mxfp4]
     .venv/bin/python scripts/bench_moe.py --forms     # moe.moe over float32 / bfloat16 / fp8_block / mxfp4 stacks
     .venv/bin/python scripts/bench_moe.py --scan 4    # as the engine runs it: in a scan over 4 layers
+    .venv/bin/python scripts/bench_moe.py --scan 4 --experts bf16 --experts-used 48   # a skewed router
 
 --scan L runs the moe paths inside a `lax.scan` over L layers of their own weights, as the
 engine's layer scan does (llama.run_layers: the experts handed over as expert_weights.LayerStack,
@@ -164,8 +165,10 @@ def step_dots(form: str, tokens: int):
     return jnp.bfloat16 if form == "bf16" and tokens >= (sizing.default_bf16_dots_from(True) or tokens + 1) else None
 
 
-def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], form: str = "float") -> None:
-    """--scan: the moe paths and the bounds, each in a scan over `num_layers` layers (ms per layer)."""
+def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], form: str = "float",
+               used: int = NUM_EXPERTS) -> None:
+    """--scan: the moe paths and the bounds, each in a scan over `num_layers` layers (ms per layer);
+    `used` < NUM_EXPERTS: a router biased to the first `used` experts (a skewed batch)."""
     from jaxserve.models.expert_weights import LayerStack, layer_views
 
     i = int(hidden * WIDTH)
@@ -174,6 +177,7 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], fo
     stacks = pack(jax.tree.map(lambda *a: jnp.stack(a), *[ex for ex, _, _ in made]), form)  # [L, E, N, K] each
     stacks = (stacks, jax.tree.map(layer_views, stacks))  # the stacks and their layers' own arrays
     routers = jnp.stack([r.weight for _, r, _ in made])  # [L, H, E]
+    bias = None if used >= NUM_EXPERTS else jnp.where(jnp.arange(NUM_EXPERTS) < used, 0.0, -1e4)
 
     def scanned(path: str, dots=None):
         def run(x, stacks, routers):
@@ -182,7 +186,7 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], fo
                 whole, views = stacks
                 ex = moe.Experts(*(LayerStack(s, li, v) for s, v in zip(
                     (whole.w_gate, whole.w_up, whole.w_down), (views.w_gate, views.w_up, views.w_down))))
-                router = moe.Router(rw, None, TOP_K, True)
+                router = moe.Router(rw, bias, TOP_K, True)
                 if path == "moe":
                     return h + moe.moe(h, router, ex, dots), None
                 return h + forced(path)(h, router, ex), None
@@ -205,7 +209,7 @@ def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], fo
     for t in tokens:
         fns = {p: scanned(p, step_dots(form, t)) for p in ("moe", "looped", "gather", "batched")}
         x = jnp.asarray(rng.standard_normal((t, hidden), np.float32))
-        ids, _ = moe.route(x, made[0][1])
+        ids, _ = moe.route(x, moe.Router(made[0][1].weight, bias, TOP_K, True))
         touched = int(np.unique(np.asarray(ids)).size)
         per = {p: timeit(f, x, stacks, routers, repeats=repeats) / num_layers
                for p, f in fns.items() if not (p == "gather" and t > 256)}
@@ -226,9 +230,11 @@ def main() -> None:
     p.add_argument("--experts", default="float", choices=["float", "bf16", "fp8_block", "mxfp4"])
     p.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     p.add_argument("--scan", type=int, default=0, metavar="L", help="in a scan over L layers (see above)")
+    p.add_argument("--experts-used", type=int, default=NUM_EXPERTS, metavar="U",
+                   help="--scan: route every token among the first U experts only (a skewed router)")
     args = p.parse_args()
     if args.scan:
-        return scan_table(args.hidden, args.scan, args.repeats, args.tokens, args.experts)
+        return scan_table(args.hidden, args.scan, args.repeats, args.tokens, args.experts, args.experts_used)
     h, i = args.hidden, int(args.hidden * WIDTH)
     ex, router, w = layer(h)
     ex = pack(ex, args.experts)

@@ -440,9 +440,9 @@ def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Arr
     touched expert and the batched pass 14-21.5 ms at 64-256 tokens: they break even at 53-60% of
     128 experts touched. Stacks of bfloat16 bits (taken here only in steps of bfloat16 dots) run the
     batched dots in bfloat16, 2x faster, and break even with the loop at 25-31% (routers biased to
-    U of 128 experts, bench as above, loop / batched ms a layer: at 64 tokens U = 32 14.5 / 14.2,
-    40 14.7 / 14.2, 48 17.1 / 14.0, 64 18.3 / 11.8; at 256 tokens U = 32 23.6 / 24.9, 40 26.0 /
-    25.3, 48 25.7 / 22.2, 64 29.6 / 23.7): BATCHED_TOUCHED_BF16."""
+    U of 128 experts, `--scan 4 --experts bf16 --experts-used U`, loop / batched ms a layer: at 64
+    tokens U = 32 14.5 / 14.2, 40 14.7 / 14.2, 48 17.1 / 14.0, 64 18.3 / 11.8; at 256 tokens U = 32
+    23.6 / 24.9, 40 26.0 / 25.3, 48 25.7 / 22.2, 64 29.6 / 23.7): BATCHED_TOUCHED_BF16."""
     share = BATCHED_TOUCHED_BF16 if _bf16_bits(experts) else BATCHED_TOUCHED
     busy = jnp.count_nonzero(sizes) >= math.ceil(share * experts.num_experts)
     return jax.lax.cond(busy, _batched_swiglu, _looped_swiglu, lhs, sizes, experts)
