@@ -162,7 +162,8 @@ def step_dots(form: str, tokens: int):
     the CPU default's bfloat16 dots from sizing.CPU_BF16_DOTS_FROM tokens, where the CPU has them);
     None (float32) for the other forms, as the tables before them were measured."""
     from jaxserve.worker import sizing
-    return jnp.bfloat16 if form == "bf16" and tokens >= (sizing.default_bf16_dots_from(True) or tokens + 1) else None
+    start = sizing.default_bf16_dots_from(True)  # 0: this CPU has no bfloat16 dots
+    return jnp.bfloat16 if form == "bf16" and start and tokens >= start else None
 
 
 def scan_table(hidden: int, num_layers: int, repeats: int, tokens: list[int], form: str = "float",

@@ -122,8 +122,7 @@ class LLMEngine:
         self.lora = (LoRAManager(cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
                      if args.enable_lora else None)
         lora_dtype = None if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
-        if mesh is None and self.pipeline is None:
-            self.model = _bf16_experts(self.model, self.config)
+        self.model = _bf16_experts(self.model, self.config)
         self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -401,8 +400,9 @@ def _bf16_experts(model: LoadedModel, config: EngineConfig) -> LoadedModel:
     """The CPU default (`--dtype auto` on one CPU device with bfloat16 dots) keeps a bfloat16
     checkpoint's MoE expert stacks as their bfloat16 bits, half float32's bytes: every path reads
     them widened to float32 exactly, and the batched dots of the steps that take bfloat16 dots read
-    them as bfloat16 (models/expert_weights.py). Other weights, and other settings, as loaded."""
-    if not config.bf16_dots_from or config.attention_backend in PALLAS_BACKENDS or "layers" not in model.params:
+    them as bfloat16 (models/expert_weights.py). Other weights, and other settings (bf16_dots_from is
+    0 under any parallelism), as loaded."""
+    if not config.bf16_dots_from or config.attention_backend in PALLAS_BACKENDS:
         return model
     layers = with_bf16_bits(model.params["layers"])
     if layers is model.params["layers"]:

@@ -9,9 +9,8 @@
                    group larger than C go through a loop over blocks of C rows of one expert,
                    only the blocks that have rows (nothing is dropped)
                    -- in the engine (stacks read lazily, below): the batched pass on the layer's
-                   own arrays when 60% of the experts have rows (30% in bfloat16: below),
-                   else that loop for every row (without the layer's arrays: the loop); packed
-                   stacks: that loop for every row
+                   own arrays when 60% (bfloat16 experts: 30%) of the experts have rows, else
+                   that loop for every row (also without the layer's arrays, and for packed stacks)
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
 In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
@@ -58,8 +57,7 @@ the layer at 64 tokens). The CPU default instead keeps a bfloat16 checkpoint's e
 bits (expert_weights.bf16_bits, made by LLMEngine where the CPU has bfloat16 dots): every path
 widens the experts it reads to float32 exactly inside its product, and in a step of bfloat16 dots
 (engine/config.py, bf16_dots_from: 64+ tokens) the batched dots read the layers' own arrays as
-bfloat16 (below that, past the gather path, the loop). In the layer scan that is 1.3-1.8x faster
-than float32 stacks at 1-32 tokens and 1.9-2.3x at 64-256 (`bench_moe.py --scan 4 --experts bf16`).
+bfloat16 (below that, past the gather path, the loop): BENCHMARKS.md, `--experts bf16`.
 
 Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
 H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
@@ -320,9 +318,8 @@ def _has_views(experts: Experts) -> bool:
 
 
 def _bf16_bits(experts: Experts) -> bool:
-    """Whether the stacks hold bfloat16 bits (expert_weights.widen): their layers' own arrays are
-    then bfloat16, whose batched dots round the rows to bfloat16 -- taken only in steps whose dots
-    are bfloat16 anyway (the CPU default's, from 64 tokens), else the loop (exact float32 products)."""
+    """Whether the stacks hold bfloat16 bits (expert_weights.widen): their layers' own arrays are then
+    bfloat16, whose batched dots round the rows -- taken only in steps of bfloat16 dots (64+ tokens)."""
     return first_leaf(experts.w_gate).dtype == BF16_BITS
 
 
@@ -344,8 +341,7 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts, sums: jnp.dtype | None = No
     dots in the weights' own [E, N, K] order, the activations kept [E, I, C] between them. Stacks
     with their layers' own arrays (LayerStack.layers) branch to the layer's, read in place, three
     dots for each of its parts (independent: XLA:CPU runs them side by side). sums: the dots'
-    result dtype (None: the weights'); the layers' own arrays of bfloat16 bits are bfloat16, their
-    products summed in float32."""
+    result dtype (None: the weights'; float32 for the bfloat16 arrays over bfloat16 bits)."""
     if _has_views(experts):
         sums = jnp.float32 if _bf16_bits(experts) else None
         def layer(xs, i: int) -> jax.Array:
@@ -439,10 +435,8 @@ def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Arr
     In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.21-0.28 ms a
     touched expert and the batched pass 14-21.5 ms at 64-256 tokens: they break even at 53-60% of
     128 experts touched. Stacks of bfloat16 bits (taken here only in steps of bfloat16 dots) run the
-    batched dots in bfloat16, 2x faster, and break even with the loop at 25-31% (routers biased to
-    U of 128 experts, `--scan 4 --experts bf16 --experts-used U`, loop / batched ms a layer: at 64
-    tokens U = 32 14.5 / 14.2, 40 14.7 / 14.2, 48 17.1 / 14.0, 64 18.3 / 11.8; at 256 tokens U = 32
-    23.6 / 24.9, 40 26.0 / 25.3, 48 25.7 / 22.2, 64 29.6 / 23.7): BATCHED_TOUCHED_BF16."""
+    batched dots in bfloat16, 2x faster, and break even with the loop at 25-31% (`--scan 4 --experts
+    bf16 --experts-used U`, figures in log.md): BATCHED_TOUCHED_BF16."""
     share = BATCHED_TOUCHED_BF16 if _bf16_bits(experts) else BATCHED_TOUCHED
     busy = jnp.count_nonzero(sizes) >= math.ceil(share * experts.num_experts)
     return jax.lax.cond(busy, _batched_swiglu, _looped_swiglu, lhs, sizes, experts)
