@@ -293,3 +293,13 @@ def test_plan_knows_moe_sizes():
     from jaxserve.models.config import with_expert_parallel
     for c in (cfg, with_expert_parallel(cfg, True)):  # TP splits expert widths, EP whole experts: half each
         assert abs(sizing.weight_bytes_per_device(c, 2, 2) - one / 2) < one * 0.01
+    # on the CPU (float32 weights), the CPU default keeps this bfloat16 checkpoint's experts bfloat16
+    # where this host has bfloat16 dots (LLMEngine): 2 bytes each; --dtype float32 keeps 4
+    experts = sizing.weight_bytes_per_device(cfg, 4) - sizing.weight_bytes_per_device(cfg, 4, expert_width=2)
+    assert experts == 2 * 128 * 3 * 768 * 2048 * 48  # half of the experts' float32 bytes
+    full = run_plan("Qwen/Qwen3-30B-A3B", "--gpu", "cpu", "--dtype", "float32")
+    auto = run_plan("Qwen/Qwen3-30B-A3B", "--gpu", "cpu")
+    assert full["weights_bytes_per_device"] == 4 * full["total_params"]
+    keeps = sizing.default_bf16_dots_from(True) > 0
+    assert auto["expert_dtype_bytes"] == (2 if keeps else None)
+    assert auto["weights_bytes_per_device"] == full["weights_bytes_per_device"] - (experts if keeps else 0)

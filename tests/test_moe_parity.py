@@ -12,7 +12,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -127,7 +129,29 @@ def test_cpu_default_keeps_bfloat16_experts_as_their_bits(checkpoints):
             assert layers[name].dtype == BF16_BITS and layers[name].nbytes == cfg.num_layers * 8 * 32 * 64 * 2
         size = 3 * cfg.num_layers * 8 * 32 * 64 * 2 / 2**20
         assert f"MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB" in engine.startup_report()
+        assert engine.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
         assert engine_greedy(engine) == reference
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_loader_reads_bfloat16_experts_as_their_bits(checkpoints, name):
+    """load_model(expert_bits=True), as the CPU default asks: the bfloat16 checkpoint's expert stacks
+    arrive as their bits (read layer by layer, never float32 on the way; a dense layer's zeros
+    among them), their values the float32 load's; every other leaf as the float32 load's."""
+    from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS, widen
+    from jaxserve.weights.loader import load_model
+
+    path, _ = checkpoints[name]
+    full = load_model(str(path), "float32", progress=False).params
+    bits = load_model(str(path), "float32", progress=False, expert_bits=True).params
+    assert sorted(bits["layers"]) == sorted(full["layers"])
+    for leaf, want in full["layers"].items():
+        got = bits["layers"][leaf]
+        if leaf in EXPERT_STACKS:
+            assert got.dtype == BF16_BITS and got.nbytes * 2 == want.nbytes
+            got = widen(got)
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -68,7 +68,7 @@ class EngineConfig:
             if given is None and on_cpu]
         if default_drafts:
             chosen.append(f"--speculative-config '{json.dumps(speculative)}'")
-        bf16_dots_from = sizing.default_bf16_dots_from(on_cpu) if args.dtype == "auto" and _one_device(args) else 0
+        bf16_dots_from = default_bf16_dots_from(args, platform)
         if bf16_dots_from:
             chosen.append(f"--dtype auto (float32 weights, bfloat16 dots in steps of {bf16_dots_from}+ tokens)")
         return cls(args=args, max_model_len=max_model_len,
@@ -109,6 +109,11 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype,
             bf16_dots_from=self.bf16_dots_from)
+
+
+def default_bf16_dots_from(args: EngineArgs, platform: str) -> int:
+    """EngineConfig.bf16_dots_from: --dtype auto on one CPU device with bfloat16 dot instructions."""
+    return sizing.default_bf16_dots_from(platform == "cpu") if args.dtype == "auto" and _one_device(args) else 0
 
 
 def _one_device(args: EngineArgs) -> bool:

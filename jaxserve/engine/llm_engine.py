@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from jaxserve import parallel
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.args import EngineArgs
-from jaxserve.engine.config import EngineConfig
+from jaxserve.engine.config import EngineConfig, default_bf16_dots_from
 from jaxserve.worker import sizing
 from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
 from jaxserve.worker.model_runner import ModelRunner, PendingStep, activation_bytes, num_compilations
@@ -79,6 +79,7 @@ class LLMEngine:
         # copy) may share buffers with it (device_put reuses a buffer already on the device): those
         # are only dropped, for the collector to free what nothing else holds.
         self._owns_weights = model is None
+        bf16_experts = _keeps_bf16_experts(args)
         if model is None:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
@@ -92,7 +93,7 @@ class LLMEngine:
                     gpu_memory_utilization=args.gpu_memory_utilization,
                     lora_bytes=_lora_bytes(args, source.config, width, args.tensor_parallel_size))
             model = load_model(source, args.dtype, progress, mesh=mesh, quantization=args.quantization,
-                               expert_parallel=args.enable_expert_parallel)
+                               expert_parallel=args.enable_expert_parallel, expert_bits=bf16_experts)
         else:
             model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
             if mesh is not None:
@@ -101,6 +102,8 @@ class LLMEngine:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
             params = quantize_params(model.params, model.config, args.quantization, ids)
             model = dataclasses.replace(model, params=params)
+        if bf16_experts:  # a LoadedModel passed in, or a float32 checkpoint holding bfloat16 values
+            model = _with_bf16_experts(model)
         self.model_dtype = model.params["embed"].dtype
         self.pipeline = self._pipeline(model, devices) if args.pipeline_parallel_size > 1 else None
         if self.pipeline is not None:  # the engine keeps the last stage's params: the sampler's
@@ -122,7 +125,6 @@ class LLMEngine:
         self.lora = (LoRAManager(cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
                      if args.enable_lora else None)
         lora_dtype = None if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
-        self.model = _bf16_experts(self.model, self.config)
         self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
@@ -158,7 +160,7 @@ class LLMEngine:
         tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
         width = jnp.dtype(self.model_dtype).itemsize
         self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
-                                                           args.quantization)
+                                                           args.quantization, _expert_width(self.model.params))
         # the LoRA slots are allocated beside the weights, before the pool (vLLM's profile run counts them)
         self.lora_bytes = _lora_bytes(args, cfg, width, tp)
         self.activation_bytes = 0
@@ -396,28 +398,45 @@ def platform_defaults_note(config: EngineConfig) -> str:
             f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE} --speculative-config '{{}}' --dtype float32")
 
 
-def _bf16_experts(model: LoadedModel, config: EngineConfig) -> LoadedModel:
-    """The CPU default (`--dtype auto` on one CPU device with bfloat16 dots) keeps a bfloat16
-    checkpoint's MoE expert stacks as their bfloat16 bits, half float32's bytes: every path reads
-    them widened to float32 exactly, and the batched dots of the steps that take bfloat16 dots read
-    them as bfloat16 (models/expert_weights.py). Other weights, and other settings (bf16_dots_from is
-    0 under any parallelism), as loaded."""
-    if not config.bf16_dots_from or config.attention_backend in PALLAS_BACKENDS:
-        return model
+def _keeps_bf16_experts(args: EngineArgs) -> bool:
+    """The CPU default (`--dtype auto` on one CPU device with bfloat16 dots, bf16_dots_from, which is 0
+    under any parallelism; the XLA attention path) keeps a bfloat16 checkpoint's MoE expert stacks
+    as their bfloat16 bits, half float32's bytes: the loader reads them so (never widened to
+    float32 on the way), every path reads them widened to float32 exactly, and the batched dots of
+    the steps that take bfloat16 dots read them as bfloat16 (models/expert_weights.py). Other
+    weights stay float32."""
+    return (default_bf16_dots_from(args, jax.default_backend()) > 0
+            and resolve_backend(args.attention_backend) not in PALLAS_BACKENDS)
+
+
+def _with_bf16_experts(model: LoadedModel) -> LoadedModel:
+    """`model` with float32 expert stacks that hold only bfloat16 values as their bits (a
+    LoadedModel passed in, a float32 checkpoint of bfloat16 values); the loader's bits as they are."""
     layers = with_bf16_bits(model.params["layers"])
     if layers is model.params["layers"]:
         return model
     return dataclasses.replace(model, params={**model.params, "layers": layers})
 
 
-def _bf16_experts_note(params: dict) -> str:
-    """The start-up report's word on experts kept as bfloat16 bits (`_bf16_experts`), else empty."""
+def _bf16_bits_stacks(params: dict) -> list[jax.Array]:
+    """The expert stacks, where all are kept as bfloat16 bits (`_keeps_bf16_experts`); else []."""
     stacks = [params.get("layers", {}).get(k) for k in EXPERT_STACKS]
-    if not all(isinstance(w, jax.Array) and w.dtype == BF16_BITS for w in stacks):
+    return stacks if all(isinstance(w, jax.Array) and w.dtype == BF16_BITS for w in stacks) else []
+
+
+def _expert_width(params: dict) -> int | None:
+    """Bytes per element of the expert stacks where they differ from the model dtype's (bits: 2)."""
+    return jnp.dtype(BF16_BITS).itemsize if _bf16_bits_stacks(params) else None
+
+
+def _bf16_experts_note(params: dict) -> str:
+    """The start-up report's word on experts kept as bfloat16 bits, else empty."""
+    stacks = _bf16_bits_stacks(params)
+    if not stacks:
         return ""
     size = sum(w.nbytes for w in stacks) / 2**20
-    return (f"; MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB, half of float32's (the weights "
-            f"figure counts them at float32; --dtype float32 keeps float32)")
+    return (f"; MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB, half of float32's "
+            f"(--dtype float32 keeps float32)")
 
 
 def _read_template(value: str) -> str:

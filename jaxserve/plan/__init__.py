@@ -77,10 +77,16 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
     if args.pipeline_parallel_size > cfg.num_layers:
         raise ValueError(f"pipeline_parallel_size: {args.pipeline_parallel_size} stages for {cfg.num_layers} layers")
     tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len)
+    # the engine's CPU default on this host (LLMEngine._keeps_bf16_experts): a bfloat16 checkpoint's
+    # experts stay bfloat16 where the CPU has bfloat16 dots, on one device
+    bf16_experts = (gpu is None and args.dtype == "auto" and cfg.moe is not None and quant is None
+                    and src.torch_dtype == "bfloat16" and args.tensor_parallel_size == args.pipeline_parallel_size == 1
+                    and sizing.default_bf16_dots_from(True) > 0)
     setting = Setting(cfg, gpu, args.tensor_parallel_size, args.pipeline_parallel_size, quant, width, kv_width,
                       max_len, args.gpu_memory_utilization, args.max_num_seqs, tokens,
                       args.block_size or sizing.default_block_size(gpu is None),
-                      args.kv_cache_memory, args.max_loras if args.enable_lora else 0, args.max_lora_rank)
+                      args.kv_cache_memory, args.max_loras if args.enable_lora else 0, args.max_lora_rank,
+                      2 if bf16_experts else None)
     return setting, src.where
 
 
@@ -113,7 +119,8 @@ def render(r: dict) -> str:
              f"params  {r['total_params'] / 1e9:.2f} B, {r['active_params_per_token'] / 1e9:.2f} B active per token",
              f"per device:",
              f"  weights             {_gb(r['weights_bytes_per_device'])}"
-             f"{'  (' + r['quantization'] + ')' if r['quantization'] else ''}",
+             f"{'  (' + r['quantization'] + ')' if r['quantization'] else ''}"
+             f"{'  (MoE experts in bfloat16)' if r.get('expert_dtype_bytes') == 2 else ''}",
              f"  activation reserve  {_gb(r['activation_bytes'])}",
              *([f"  LoRA slots          {_gb(r['lora_bytes'])}  ({r['max_loras']} x rank {r['max_lora_rank']})"]
                if r["lora_bytes"] else []),

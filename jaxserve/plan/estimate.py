@@ -43,6 +43,7 @@ class Setting:
     kv_cache_memory: int | None = None
     max_loras: int = 0  # LoRA slots (0: --enable-lora off)
     max_lora_rank: int = 16
+    expert_dtype_bytes: int | None = None  # MoE experts' width where not dtype_bytes (the CPU default's bfloat16: 2)
 
     @property
     def num_devices(self) -> int:
@@ -52,7 +53,7 @@ class Setting:
 def estimate(s: Setting) -> dict:
     """The per-device figures of `s`, as plain numbers (the `--json` object)."""
     cfg, tp, pp = s.cfg, s.tensor_parallel_size, s.pipeline_parallel_size
-    weights = sizing.weight_bytes_per_device(cfg, s.dtype_bytes, tp, pp, s.quantization)
+    weights = sizing.weight_bytes_per_device(cfg, s.dtype_bytes, tp, pp, s.quantization, s.expert_dtype_bytes)
     lora = sizing.lora_slot_bytes(cfg, s.max_loras, s.max_lora_rank, s.dtype_bytes, tp)
     per_block = sizing.kv_bytes_per_block(cfg, s.block_size, s.kv_dtype_bytes, tp, pp)
     per_seq = sizing.blocks_per_seq(s.max_model_len, s.block_size)

@@ -6,11 +6,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.models import llama, registry
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS
 from jaxserve.models.llama import Params, param_shapes
 from jaxserve.quantization.hf_linear import LinearReader
 from jaxserve.quantization.mxfp4 import Mxfp4Weight
@@ -29,12 +31,14 @@ PlaceFn = Callable[[str, np.ndarray, jnp.dtype], jax.Array]
 
 def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, source: str,
                     progress: bool = True, place_leaf: PlaceFn | None = None,
-                    linear: LinearReader | None = None) -> Params:
+                    linear: LinearReader | None = None, expert_bits: bool = False) -> Params:
     """Read every tensor through `get`, check its shape, stack the layers and place them on device.
 
     `place_leaf` puts each stacked leaf on device; the default copies it whole to the
     default device, `jaxserve.parallel.place_fn(mesh, cfg)` sends each device only its slice.
     `linear` (a quantized checkpoint) reads each layer's projections as QuantizedWeights.
+    `expert_bits` (float32 weights on one device): MoE expert stacks stored in bfloat16 are kept as
+    their bits (expert_weights.BF16_BITS), read layer by layer into the stack: never float32.
     """
     shapes = param_shapes(cfg)
     total = 2 + (0 if cfg.tie_word_embeddings else 1) + len(shapes["layers"])
@@ -69,7 +73,15 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
             bar.update(1)
             continue
         if callable(tensors[leaf]):  # a family's reader (experts stacked, a mixed model's zeros)
-            per_layer = [_read(tensors[leaf], get, i, expected[1:], source) for i in range(cfg.num_layers)]
+            first = _read(tensors[leaf], get, 0, expected[1:], source)
+            bits = (_bits_stack(tensors[leaf], get, first, expected, source) if expert_bits and leaf in EXPERT_STACKS
+                    and place_leaf is None and isinstance(first, np.ndarray) else None)
+            if bits is not None:
+                layers[leaf] = jnp.asarray(bits)
+                bar.update(1)
+                continue
+            per_layer = [first] + [_read(tensors[leaf], get, i, expected[1:], source)
+                                   for i in range(1, cfg.num_layers)]
             if isinstance(per_layer[0], Mxfp4Weight):  # packed experts (gpt-oss's mxfp4): stay packed
                 layers[leaf] = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_layer)
                 bar.update(1)
@@ -110,6 +122,20 @@ def _read(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, 
     if arr.shape != expected:
         raise ValueError(f"{source}: layer {layer}: tensor of shape {arr.shape}, expected {expected}")
     return arr
+
+
+def _bits_stack(reader: Callable, get: TensorGetter, first: np.ndarray, expected: tuple[int, ...],
+                source: str) -> np.ndarray | None:
+    """The [L, ...] stack of a leaf's bfloat16 bits, read layer by layer (`first`: layer 0's array),
+    or None where a layer holds values bfloat16 cannot (then it loads as float32)."""
+    out = np.empty(expected, BF16_BITS)
+    for i in range(expected[0]):
+        a = first if i == 0 else _read(reader, get, i, expected[1:], source)
+        b = np.asarray(a, ml_dtypes.bfloat16)
+        if a.dtype != ml_dtypes.bfloat16 and not np.array_equal(b.astype(np.float32), a.astype(np.float32)):
+            return None
+        out[i] = b.view(BF16_BITS)
+    return out
 
 
 def _read_quantized(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, ...], source: str,

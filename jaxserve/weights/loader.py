@@ -52,11 +52,13 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", progress: bool = True,
                mesh: "jax.sharding.Mesh | None" = None, quantization: str | None = None,
-               expert_parallel: bool = False) -> LoadedModel:
+               expert_parallel: bool = False, expert_bits: bool = False) -> LoadedModel:
     """`model`: `--model` (source.py resolves it) or a ModelSource already described. With a `mesh`,
     every weight goes straight into its tensor-parallel shards. `quantization` (EngineArgs.quantization)
     is checked against an HF directory's quantization_config; the quantize-on-load methods (int8, fp8
-    on a float checkpoint) are applied by the engine."""
+    on a float checkpoint) are applied by the engine. `expert_bits`: an HF directory's bfloat16 MoE
+    expert stacks are kept as their bfloat16 bits (uint16; the CPU default's, LLMEngine) when the
+    weights load in float32 on one device."""
     source = model if isinstance(model, ModelSource) else None
     path = source.path if source is not None else resolve_model_path(model)  # type: ignore[arg-type]
     jdtype = resolve_dtype(dtype)
@@ -78,7 +80,8 @@ def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", pr
     quant = source.quant_spec(quantization)
     # A quantized checkpoint is assembled on the default device, then sharded (its leaves are
     # QuantizedWeights, which the per-leaf placer does not split yet).
-    params = load_safetensors_dir(path, cfg, jdtype, progress, None if quant else _placer(mesh, cfg), quant)
+    params = load_safetensors_dir(path, cfg, jdtype, progress, None if quant else _placer(mesh, cfg), quant,
+                                  expert_bits and mesh is None and jdtype == jnp.float32)
     if quant is not None and mesh is not None:
         params = shard_params(params, mesh, cfg)
     return LoadedModel(cfg, params, _dir_tokenizer(source.tokenizer), name, path, quant and quant.method)

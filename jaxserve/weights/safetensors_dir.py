@@ -90,7 +90,8 @@ def read_quantization(model_dir: Path, requested: str | None) -> QuantSpec | Non
 
 
 def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
-                         place_leaf: PlaceFn | None = None, quant: QuantSpec | None = None) -> Params:
+                         place_leaf: PlaceFn | None = None, quant: QuantSpec | None = None,
+                         expert_bits: bool = False) -> Params:
     if quant is not None:  # before any tensor is read
         check_quantization(cfg, quant.method, quant.scheme)
     files = _tensor_files(model_dir)
@@ -116,4 +117,4 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
 
     # mxfp4 (gpt-oss) quantizes MoE experts only: the Linears read here are float.
     linear = None if quant is None or quant.scheme == "mxfp4" else linear_reader(quant, get, dtype)
-    return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear)
+    return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear, expert_bits)

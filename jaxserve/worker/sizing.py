@@ -89,10 +89,12 @@ def _shard_elems(shape: tuple[int, ...], spec: tuple, tp: int, kv_groups: int) -
 
 
 def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int = 1, stage: int = 0,
-                       pipeline_parallel_size: int = 1, quantization: str | None = None) -> int:
+                       pipeline_parallel_size: int = 1, quantization: str | None = None,
+                       expert_width: int | None = None) -> int:
     """Bytes of weights one device of pipeline `stage` holds: its layers' shards, the embedding on
     the first stage, the final norm and LM head on the last (tied: the embedding there too).
-    `width`: bytes per element of the float weights (the model dtype)."""
+    `width`: bytes per element of the float weights (the model dtype); `expert_width`: of the float
+    MoE expert stacks where they differ (the CPU default's bfloat16 experts: 2)."""
     tp, pp = tensor_parallel_size, pipeline_parallel_size
     plan = partition_plan(cfg, tp)
     shapes = param_shapes(cfg)
@@ -112,7 +114,8 @@ def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int =
                 rows, cols = cols, rows
             total += (end - start) * shard // (rows * cols) * scheme.matrix_bytes(rows, cols)
         else:
-            total += (end - start) * shard * width
+            leaf_width = expert_width if expert_width and leaf in EXPERT_LEAVES else width
+            total += (end - start) * shard * leaf_width
     embed = _shard_elems(shapes["embed"], tuple(plan.specs["embed"]), tp, plan.kv_groups) * width
     if first:
         total += embed
@@ -127,10 +130,11 @@ def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int =
 
 
 def weight_bytes_per_device(cfg: ModelConfig, width: int, tensor_parallel_size: int = 1,
-                            pipeline_parallel_size: int = 1, quantization: str | None = None) -> int:
+                            pipeline_parallel_size: int = 1, quantization: str | None = None,
+                            expert_width: int | None = None) -> int:
     """The most weight bytes any one device holds (the largest stage's)."""
-    return max(stage_weight_bytes(cfg, width, tensor_parallel_size, s, pipeline_parallel_size, quantization)
-               for s in range(pipeline_parallel_size))
+    return max(stage_weight_bytes(cfg, width, tensor_parallel_size, s, pipeline_parallel_size, quantization,
+                                  expert_width) for s in range(pipeline_parallel_size))
 
 
 def lora_slot_bytes(cfg: ModelConfig, max_loras: int, max_lora_rank: int, width: int,
