@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test
+.PHONY: setup serve test test-fast
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,3 +24,7 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# the loop's suite: everything but the multi-device / multi-process parity tests (about half the time)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not multidevice" tests

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multidevice  # several (fake) devices or processes: make test-fast skips them
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

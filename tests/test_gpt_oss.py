@@ -110,6 +110,7 @@ def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
         engine.shutdown()
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("case", ["gpt_oss/tp2/pp1", "gpt_oss/tp2/pp2/ep", "gpt_oss_mxfp4/tp2/pp2"])
 def test_parallel_greedy_equals_transformers(checkpoint, mxfp4_checkpoint, multi_device, case):
     r = multi_device[case]

@@ -188,6 +188,7 @@ def test_http_runtime_load_use_unload(server, refs, hf_default_tokenizer, tmp_pa
     assert engine.get_stats().num_compilations_after_warmup == 0
 
 
+@pytest.mark.multidevice
 def test_tensor_parallel_2_matches_peft(refs, tmp_path):
     """TP 2 on 2 fake CPU devices (a subprocess: the device count is fixed at start-up). SmolLM2's
     9 heads do not split over 2, so attention and its adapters stay replicated while the MLP and its

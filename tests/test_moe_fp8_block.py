@@ -124,6 +124,7 @@ for path, mode in zip(sys.argv[1::2], sys.argv[2::2]):
 '''
 
 
+@pytest.mark.multidevice
 def test_tensor_parallel_2_tokens_equal_transformers(checkpoint):
     """TP 2 (fake CPU devices, one subprocess): each expert's intermediate axis split, values and
     block scales alike (transformers' fused scales); with --enable-expert-parallel (the hub's

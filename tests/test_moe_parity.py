@@ -69,6 +69,7 @@ def test_one_device_greedy_equals_transformers(checkpoints, engines, name):
 CASES = [f"{name}/tp{tp}/pp{pp}" + ("/ep" if ep else "") for name, s in SETTINGS.items() for tp, pp, ep in s]
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("case", CASES)
 def test_parallel_greedy_equals_transformers(checkpoints, multi_device, case):
     r = multi_device[case]

@@ -21,6 +21,8 @@ import pytest
 from jaxserve.engine.args import EngineArgs
 from tests import multihost_worker as worker
 
+pytestmark = pytest.mark.multidevice  # several (fake) devices or processes: make test-fast skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
        "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}

@@ -120,6 +120,7 @@ def test_indivisible_heads_fall_back_to_replication_and_say_so():
 
 # ---- 8 fake devices, one subprocess ----------------------------------------------------------
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("family", sorted(worker.FAMILIES))
 def test_tensor_parallel_matches_single_device(multi_device, family):
     for tp in (2, 4, 8):
@@ -132,11 +133,13 @@ def test_tensor_parallel_matches_single_device(multi_device, family):
         assert r["kv_groups"] == (cfg.num_kv_heads if cfg.num_kv_heads < tp else 0)
 
 
+@pytest.mark.multidevice
 def test_kv_fewer_than_model_axis_uses_replicated_groups(multi_device):
     r = multi_device["families"]["llama_kv_fewer/tp8"]
     assert r["kv_groups"] == 2 and r["kv_shard"][1] == 1 and r["wk_shard"][-1] == worker.BASE["head_dim"]
 
 
+@pytest.mark.multidevice
 def test_only_megatron_collectives(multi_device):
     """Per step: an all-reduce after wo and after w_down (inside the scanned layer), one for the
     vocabulary-split embedding, and an all-gather of the logits; nothing moves the KV pool."""
@@ -152,6 +155,7 @@ def test_only_megatron_collectives(multi_device):
         assert sorted(c.split()[0] for c in r["collectives"]) == ["all-gather"] + ["all-reduce"] * 3, key
 
 
+@pytest.mark.multidevice
 def test_data_parallel_mesh_and_errors(multi_device):
     r = multi_device["layout"]
     assert r["dp_mesh"] == {"shape": {"data": 2, "model": 2}, "replicas": [[0, 1], [2, 3]]}
@@ -159,6 +163,7 @@ def test_data_parallel_mesh_and_errors(multi_device):
     assert "needs 16 devices" in r["tp16_error"]
 
 
+@pytest.mark.multidevice
 def test_loading_places_only_each_devices_slice(multi_device):
     placed = multi_device["layout"]["placed"]
     assert multi_device["layout"]["shard_params_matches"]
@@ -171,6 +176,7 @@ def test_loading_places_only_each_devices_slice(multi_device):
             assert shard == leaf["full"], name
 
 
+@pytest.mark.multidevice
 def test_load_model_never_materialises_a_split_weight_whole_on_one_device(multi_device):
     """load_model(HF dir, mesh=4 devices): every device callback returns only its shard's slice (numpy,
     cut on the host), each device ends up holding exactly a quarter of every split weight, and no
@@ -199,6 +205,7 @@ def test_load_model_never_materialises_a_split_weight_whole_on_one_device(multi_
     assert split == 9  # embed, lm_head and every layer matrix: q, k, v, o, gate, up, down
 
 
+@pytest.mark.multidevice
 def test_summary_names_every_leaf_and_the_kv_pool(multi_device):
     r = multi_device["layout"]
     summary = r["summary"]
@@ -215,6 +222,7 @@ def test_summary_names_every_leaf_and_the_kv_pool(multi_device):
 TIE_MARGIN = 1e-3
 
 
+@pytest.mark.multidevice
 @pytest.mark.slow
 def test_default_model_tp2_matches_transformers(hf_greedy, tmp_path):
     from tests.conftest import PROMPTS

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.multidevice  # several (fake) devices or processes: make test-fast skips them
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

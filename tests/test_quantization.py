@@ -141,6 +141,7 @@ def test_int8_engine_on_the_default_model_stays_close(jax_default_model) -> None
     assert "Paris" in text
 
 
+@pytest.mark.multidevice
 def test_quantized_weights_shard_with_their_scales_under_tensor_parallelism() -> None:
     """Two fake CPU devices in a subprocess (the device count is fixed once jax starts)."""
     import json
