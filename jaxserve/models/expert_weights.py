@@ -80,18 +80,28 @@ def widen(a: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(a.astype(jnp.uint32) << 16, jnp.float32)
 
 
+def host_bf16_bits(a: np.ndarray) -> np.ndarray | None:
+    """A host float array's values as their bfloat16 bits (BF16_BITS), or None where one is not a
+    bfloat16 value (converting would round it)."""
+    if a.dtype == jnp.bfloat16:
+        return a.view(BF16_BITS)
+    words = np.asarray(a, np.float32).view(np.uint32)
+    return None if np.any(words & 0xFFFF) else (words >> 16).astype(BF16_BITS)
+
+
 def bf16_bits(stack: jax.Array) -> jax.Array | None:
     """A float32 stack on one device whose values are all bfloat16 values (a bfloat16 checkpoint
     loaded in float32) as their bfloat16 bits (uint16, placed as the stack is), or None where that
     would round a value. Converted one leading index at a time (no whole-stack temporaries)."""
     if not isinstance(stack, jax.Array) or stack.dtype != jnp.float32 or len(stack.devices()) != 1:
         return None
-    words = np.asarray(stack).view(np.uint32)
-    bits = np.empty(words.shape, np.uint16)
-    for i in range(words.shape[0]):
-        if np.any(words[i] & 0xFFFF):
+    host = np.asarray(stack)
+    bits = np.empty(host.shape, BF16_BITS)
+    for i in range(host.shape[0]):
+        b = host_bf16_bits(host[i])
+        if b is None:
             return None
-        bits[i] = words[i] >> 16
+        bits[i] = b
     return jax.device_put(bits, next(iter(stack.devices()))) if stack.committed else jax.device_put(bits)
 
 

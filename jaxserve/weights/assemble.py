@@ -6,13 +6,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxserve.models import llama, registry
 from jaxserve.models.config import ModelConfig
-from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS
+from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS, host_bf16_bits
 from jaxserve.models.llama import Params, param_shapes
 from jaxserve.quantization.hf_linear import LinearReader
 from jaxserve.quantization.mxfp4 import Mxfp4Weight
@@ -130,11 +129,10 @@ def _bits_stack(reader: Callable, get: TensorGetter, first: np.ndarray, expected
     or None where a layer holds values bfloat16 cannot (then it loads as float32)."""
     out = np.empty(expected, BF16_BITS)
     for i in range(expected[0]):
-        a = first if i == 0 else _read(reader, get, i, expected[1:], source)
-        b = np.asarray(a, ml_dtypes.bfloat16)
-        if a.dtype != ml_dtypes.bfloat16 and not np.array_equal(b.astype(np.float32), a.astype(np.float32)):
+        b = host_bf16_bits(first if i == 0 else _read(reader, get, i, expected[1:], source))
+        if b is None:
             return None
-        out[i] = b.view(BF16_BITS)
+        out[i] = b
     return out
 
 
