@@ -30,8 +30,8 @@ def default_gguf():
 def tiny_llama_dir(tmp_path_factory, default_gguf):
     """A tiny random Llama (4 heads, 2 kv heads: both split at TP 2) saved by transformers, with the
     default model's tokenizer: for the tests that need a real HF directory but no real weights."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     from jaxserve.weights.gguf_file import open_gguf
     from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
 
@@ -53,8 +53,8 @@ def jax_default_model():
 
 @pytest.fixture(scope="session")
 def hf_default_model(default_gguf):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import torch
+    import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32)
     model.generation_config.eos_token_id = None  # always 48 tokens: EOS is just another token here
@@ -63,7 +63,6 @@ def hf_default_model(default_gguf):
 
 @pytest.fixture(scope="session")
 def hf_default_tokenizer(default_gguf):
-    pytest.importorskip("torch")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(default_gguf.parent), gguf_file=default_gguf.name)

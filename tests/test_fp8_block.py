@@ -11,8 +11,8 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 import jax.numpy as jnp  # noqa: E402
 

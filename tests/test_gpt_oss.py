@@ -17,10 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from tests.moe_fixtures import engine_greedy, hf_greedy, make_engine, save_gpt_oss, save_mxfp4  # noqa: E402
+from tests.moe_fixtures import engine_greedy, hf_greedy, make_engine, save_gpt_oss, save_mxfp4
 
 ROOT = Path(__file__).resolve().parent.parent
 # longer than the window (8) and than one step's token budget (16: chunked prefill), a short one, one token

@@ -16,14 +16,12 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
 import pytest
 
-pytest.importorskip("peft")
-openai = pytest.importorskip("openai")
-
-from jaxserve import LLM, LoRARequest, SamplingParams  # noqa: E402
-from tests.conftest import ENGINE  # noqa: E402
-from tests.lora_helpers import ADAPTERS, NUM_TOKENS, make_adapters  # noqa: E402
+from jaxserve import LLM, LoRARequest, SamplingParams
+from tests.conftest import ENGINE
+from tests.lora_helpers import ADAPTERS, NUM_TOKENS, make_adapters
 
 # the exact float32 configuration (conftest's ENGINE, no n-gram drafts), 3 slots of rank 16, 3 host copies
 LORA_ENGINE = dict(ENGINE, speculative_config={}, enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=3)

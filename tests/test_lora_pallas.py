@@ -94,9 +94,9 @@ def test_step_inputs_checks_the_kernel_name():
 @pytest.fixture(scope="module")
 def tiny_adapters(tmp_path_factory) -> dict[str, str]:
     """Two peft adapters of a transformers Llama with TINY's shapes (random B so they change the output)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    peft = pytest.importorskip("peft")
+    import torch
+    import transformers
+    import peft
     hf_cfg = transformers.LlamaConfig(vocab_size=TINY["vocab_size"], hidden_size=TINY["hidden_size"],
                                       intermediate_size=TINY["intermediate_size"], num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

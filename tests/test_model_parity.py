@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 from jaxserve.weights.loader import load_model  # noqa: E402
 from tests.paged_helpers import paged_logits  # noqa: E402

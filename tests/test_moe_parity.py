@@ -17,12 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from tests.moe_fixtures import (CHECKPOINTS, MAX_TOKENS, PROMPTS, engine_greedy, hf_greedy, make_engine,  # noqa: E402
+from tests.moe_fixtures import (CHECKPOINTS, MAX_TOKENS, PROMPTS, engine_greedy, hf_greedy, make_engine,
                                 save_checkpoint)
-from tests.moe_worker import SETTINGS  # noqa: E402
+from tests.moe_worker import SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -138,7 +138,7 @@ def _serve_cmd(model_dir: Path, rank: int, coordinator_port: int, http_port: int
 def test_jaxserve_serve_on_two_hosts(model_dir, reference, tmp_path):
     """`jaxserve serve --num-hosts 2` on both ranks with the SAME --port: rank 1 must not start an HTTP
     server (it would fail to bind). Rank 0 answers; SIGTERM stops rank 0, which stops rank 1; both exit 0."""
-    httpx = pytest.importorskip("httpx")
+    import httpx
     coord, http = free_port(), free_port()
     logs = [tmp_path / f"serve{r}.log" for r in range(2)]
     procs = []

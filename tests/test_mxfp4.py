@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-mxfp4_hf = pytest.importorskip("transformers.integrations.mxfp4")
+import torch
+from transformers.integrations import mxfp4 as mxfp4_hf
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -21,8 +21,8 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+import torch
+import transformers
 
 import jax.numpy as jnp  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
