@@ -1,5 +1,5 @@
 """Tiny random Mixture-of-Experts checkpoints saved by transformers' own classes (bfloat16 weights),
-and transformers' float32 greedy tokens for them: the references of tests/test_moe*.py."""
+and transformers' float32 greedy tokens and their logprobs for them: the references of tests/test_moe*.py."""
 
 from __future__ import annotations
 
@@ -88,32 +88,50 @@ def hf_greedy(path: Path, prompts: list[list[int]] = PROMPTS, max_tokens: int = 
               **load_kw) -> list[list[int]]:
     """transformers' float32 greedy continuation of each prompt (the bfloat16 weights, widened;
     `load_kw`: more from_pretrained arguments, e.g. quantization_config)."""
+    return hf_reference(path, prompts, max_tokens, **load_kw)[0]
+
+
+def hf_reference(path: Path, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
+                 **load_kw) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' float32 greedy tokens of each prompt and the logprob of each (log_softmax of one
+    full-sequence forward: tests/logprob_parity.py)."""
     import torch
     import transformers
 
+    from tests.logprob_parity import reference_logprobs
+
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                               attn_implementation="eager", **load_kw).eval()
-    out = []
+    tokens, logprobs = [], []
     with torch.no_grad():
         for p in prompts:
             ids = model.generate(torch.tensor([p]), max_new_tokens=max_tokens, do_sample=False,
                                  min_new_tokens=max_tokens, pad_token_id=0, eos_token_id=None)
-            out.append(ids[0, len(p):].tolist())
-    return out
+            tokens.append(ids[0, len(p):].tolist())
+            logprobs.append(reference_logprobs(model, p, tokens[-1]))
+    return tokens, logprobs
 
 
 def engine_greedy(engine, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    from jaxserve.core.sampling_params import SamplingParams
+    return engine_run(engine, prompts, max_tokens)[0]
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+def engine_run(engine, prompts: list[list[int]] = PROMPTS,
+               max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
+    """The engine's greedy tokens of each prompt (all in flight together) and the logprob of each."""
+    from jaxserve.core.sampling_params import SamplingParams
+    from tests.logprob_parity import generated_logprobs
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
-    done: dict[str, list[int]] = {}
+    done: dict[str, object] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[str(i)] for i in range(len(prompts))]
+                done[out.request_id] = out.outputs[0]
+    outs = [done[str(i)] for i in range(len(prompts))]
+    return [list(o.token_ids) for o in outs], [generated_logprobs(o) for o in outs]
 
 
 def make_engine(path: Path, **kw):

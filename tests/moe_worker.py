@@ -1,4 +1,4 @@
-"""Greedy tokens of MoE checkpoints under TP 2, TP 2 with expert parallelism and PP 2 (with and
+"""Greedy tokens and their logprobs of MoE checkpoints under TP 2, TP 2 with expert parallelism and PP 2 (with and
 without EP), in a subprocess with 4 fake CPU devices; one JSON object on the last line.
 
     python -m tests.moe_worker DIR [DIR ...]      # each DIR a tests/moe_fixtures checkpoint
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jax
 
-from tests.moe_fixtures import engine_greedy, make_engine
+from tests.moe_fixtures import engine_run, make_engine
 
 # checkpoint -> [(tensor parallel, pipeline parallel, expert parallel)]: each family under TP 2, and
 # under TP 2 with EP in PP 2 (one engine for both: 4 devices), as gpt-oss (tests/test_gpt_oss.py)
@@ -43,9 +43,9 @@ def main(dirs: list[str], settings: dict = SETTINGS, prompts: list[list[int]] | 
         for tp, pp, ep in settings[Path(d).name]:
             engine = make_engine(Path(d), tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                  enable_expert_parallel=ep)
-            tokens = engine_greedy(engine) if prompts is None else engine_greedy(engine, prompts)
+            tokens, logprobs = engine_run(engine) if prompts is None else engine_run(engine, prompts)
             results[f"{Path(d).name}/tp{tp}/pp{pp}" + ("/ep" if ep else "")] = dict(
-                tokens=tokens, compiles_after_warmup=engine.get_stats().num_compilations_after_warmup,
+                tokens=tokens, logprobs=logprobs, compiles_after_warmup=engine.get_stats().num_compilations_after_warmup,
                 expert_bytes=expert_bytes_per_device(engine), expert_spec=expert_spec(engine))
     return results
 

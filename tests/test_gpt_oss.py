@@ -1,7 +1,7 @@
 """gpt-oss (GptOssForCausalLM) against transformers: a tiny random checkpoint saved by transformers'
 own class in bfloat16 (tests/moe_fixtures.py GPT_OSS: 2 layers, a sliding layer of window 8 then a
 full one, YaRN RoPE, attention sinks, biased router and experts), greedy tokens equal to
-transformers' float32 ones with the exact float32 flags on one device, TP 2, TP 2 with expert
+transformers' float32 ones and their logprobs within 1e-4 of transformers' (tests/logprob_parity.py), with the exact float32 flags on one device, TP 2, TP 2 with expert
 parallelism and PP 2 (4 fake CPU devices, one subprocess: tests/moe_worker.py); the same model in
 gpt-oss's MXFP4 hub layout, kept packed, against transformers' Mxfp4Config(dequantize=True)."""
 
@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.moe_fixtures import engine_greedy, hf_greedy, make_engine, save_gpt_oss, save_mxfp4
+from tests.logprob_parity import assert_logprobs_close
+from tests.moe_fixtures import engine_run, hf_greedy, hf_reference, make_engine, save_gpt_oss, save_mxfp4
 
 ROOT = Path(__file__).resolve().parent.parent
 # longer than the window (8) and than one step's token budget (16: chunked prefill), a short one, one token
@@ -30,19 +31,20 @@ SETTINGS = {"gpt_oss": [[2, 1, False], [2, 2, True]], "gpt_oss_mxfp4": [[2, 2, F
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]]]:
+def checkpoint(tmp_path_factory) -> tuple[Path, list[list[int]], list[list[float]]]:
+    """(the checkpoint, transformers' greedy tokens, their logprobs)."""
     path = save_gpt_oss(tmp_path_factory.mktemp("gpt") / "gpt_oss")
-    return path, hf_greedy(path, PROMPTS, MAX_TOKENS)
+    return path, *hf_reference(path, PROMPTS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def mxfp4_checkpoint(checkpoint) -> tuple[Path, list[list[int]]]:
+def mxfp4_checkpoint(checkpoint) -> tuple[Path, list[list[int]], list[list[float]]]:
     """The same model in gpt-oss's hub layout (MXFP4 experts), and transformers' tokens for it
     (Mxfp4Config(dequantize=True): the experts unpacked at load, as convert_moe_packed_tensors does)."""
     import transformers
 
     path = save_mxfp4(checkpoint[0], checkpoint[0].parent / "gpt_oss_mxfp4")
-    return path, hf_greedy(path, PROMPTS, MAX_TOKENS, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    return path, *hf_reference(path, PROMPTS, MAX_TOKENS, quantization_config=transformers.Mxfp4Config(dequantize=True))
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,7 @@ def test_yarn_frequencies_equal_transformers(checkpoint):
 
 
 def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
-    path, reference = checkpoint
+    path, reference, ref_logprobs = checkpoint
     # the window matters for these prompts: transformers with every layer full answers otherwise
     full = tmp_path / "full"
     shutil.copytree(path, full)
@@ -101,7 +103,9 @@ def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
     try:
         assert set(engine.model.params["layers"]) >= {"sinks", "sliding", "bo", "router_bias", "be_down"}
         np.testing.assert_array_equal(np.asarray(engine.model.params["layers"]["sliding"]), [1.0, 0.0])
-        assert engine_greedy(engine, PROMPTS, MAX_TOKENS) == reference
+        tokens, logprobs = engine_run(engine, PROMPTS, MAX_TOKENS)
+        assert tokens == reference
+        assert_logprobs_close(logprobs, ref_logprobs, what="gpt_oss")
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()
@@ -111,7 +115,9 @@ def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
 @pytest.mark.parametrize("case", ["gpt_oss/tp2/pp1", "gpt_oss/tp2/pp2/ep", "gpt_oss_mxfp4/tp2/pp2"])
 def test_parallel_greedy_equals_transformers(checkpoint, mxfp4_checkpoint, multi_device, case):
     r = multi_device[case]
-    assert r["tokens"] == (mxfp4_checkpoint if "mxfp4" in case else checkpoint)[1]
+    _, reference, ref_logprobs = mxfp4_checkpoint if "mxfp4" in case else checkpoint
+    assert r["tokens"] == reference
+    assert_logprobs_close(r["logprobs"], ref_logprobs, what=case)
     assert r["compiles_after_warmup"] == 0
     # every device holds half of its stage's experts: whole ones with EP (split on E), else half of each
     # one's width (I, the out axis of we_gate [L, E, I, H]; packed: of its blocks [L, E, N, K/32, 16])
@@ -181,12 +187,12 @@ def test_biased_clamped_experts_on_every_path(num_tokens):
 
 def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_checkpoint):
     """gpt-oss's MXFP4 hub format: the experts stay packed in device memory (Mxfp4Weight, at most
-    0.3x their bfloat16 bytes), unpacked inside the expert matmuls; transformers' greedy tokens."""
+    0.3x their bfloat16 bytes), unpacked inside the expert matmuls; transformers' greedy tokens and logprobs."""
     import jax
 
     from jaxserve.quantization.mxfp4 import Mxfp4Weight
 
-    path, reference = mxfp4_checkpoint
+    path, reference, ref_logprobs = mxfp4_checkpoint
     assert reference != checkpoint[1]  # the rounding to e2m1 changed the model: the packed weights are used
     engine = make_engine(path)
     try:
@@ -195,7 +201,9 @@ def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_chec
         packed = sum(x.nbytes for w in experts.values() for x in jax.tree.leaves(w))
         bf16 = sum(2 * int(np.prod(w.shape)) for w in experts.values())
         assert packed <= 0.3 * bf16
-        assert engine_greedy(engine, PROMPTS, MAX_TOKENS) == reference
+        tokens, logprobs = engine_run(engine, PROMPTS, MAX_TOKENS)
+        assert tokens == reference
+        assert_logprobs_close(logprobs, ref_logprobs, what="mxfp4")
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()
@@ -204,7 +212,7 @@ def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_chec
 def test_pallas_interpret_backend_equals_transformers(checkpoint, monkeypatch):
     """The model on the Pallas backend in interpret mode (this CPU running the kernels' own code): the
     attention kernels with sinks and the per-layer window as data, the grouped expert matmul with the
-    biases added per row -- transformers' tokens, nothing compiled after warm-up."""
+    biases added per row -- transformers' tokens and logprobs, nothing compiled after warm-up."""
     from jaxserve.engine import llm_engine
     from jaxserve.models.attention import PALLAS_INTERPRET
 
@@ -212,7 +220,9 @@ def test_pallas_interpret_backend_equals_transformers(checkpoint, monkeypatch):
     engine = make_engine(checkpoint[0])
     try:
         assert engine.config.attention_backend == PALLAS_INTERPRET
-        assert engine_greedy(engine, PROMPTS, MAX_TOKENS) == checkpoint[1]
+        tokens, logprobs = engine_run(engine, PROMPTS, MAX_TOKENS)
+        assert tokens == checkpoint[1]
+        assert_logprobs_close(logprobs, checkpoint[2], what="pallas-interpret")
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()

@@ -1,6 +1,7 @@
 """MoE families against transformers: tiny random checkpoints saved by transformers' own classes
-(bfloat16 weights, tests/moe_fixtures.py), greedy tokens equal to transformers' float32 ones with
-the exact float32 flags on one device, under TP 2 with and without --enable-expert-parallel and
+(bfloat16 weights, tests/moe_fixtures.py), greedy tokens equal to transformers' float32 ones, and
+each token's logprob within 1e-4 of transformers' (tests/logprob_parity.py), with the exact float32
+flags on one device, under TP 2 with and without --enable-expert-parallel and
 under PP 2 (fake CPU devices, one subprocess: tests/moe_worker.py)."""
 
 from __future__ import annotations
@@ -17,20 +18,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.moe_fixtures import (CHECKPOINTS, MAX_TOKENS, PROMPTS, engine_greedy, hf_greedy, make_engine,
-                                save_checkpoint)
+from tests.logprob_parity import assert_logprobs_close
+from tests.moe_fixtures import CHECKPOINTS, MAX_TOKENS, PROMPTS, engine_run, hf_reference, make_engine, save_checkpoint
 from tests.moe_worker import SETTINGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
+def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]], list[list[float]]]]:
+    """name -> (checkpoint, transformers' greedy tokens, their logprobs)."""
     root = tmp_path_factory.mktemp("moe")
     out = {}
     for name in CHECKPOINTS:
         path = save_checkpoint(name, root / name)
-        out[name] = (path, hf_greedy(path))
+        out[name] = (path, *hf_reference(path))
     return out
 
 
@@ -38,7 +40,7 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, list[list[int]]]]:
 def multi_device(checkpoints) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", *(str(p) for p, _ in checkpoints.values())],
+    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", *(str(p) for p, _, _ in checkpoints.values())],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -51,7 +53,7 @@ def engines(checkpoints) -> dict:
 
 @pytest.mark.parametrize("name", sorted(CHECKPOINTS))
 def test_one_device_greedy_equals_transformers(checkpoints, engines, name):
-    path, reference = checkpoints[name]
+    path, reference, ref_logprobs = checkpoints[name]
     engine = engines[name] = make_engine(path)
     cfg = engine.model.config
     assert cfg.moe is not None and cfg.moe.num_experts == 8
@@ -59,7 +61,9 @@ def test_one_device_greedy_equals_transformers(checkpoints, engines, name):
         assert cfg.moe.dense_layers == (1,) and not cfg.moe.norm_topk_prob and cfg.qk_norm
     if name == "qwen2_moe":
         assert cfg.moe.shared_expert_intermediate_size == 48 and cfg.moe.norm_topk_prob and cfg.attention_bias
-    assert engine_greedy(engine) == reference
+    tokens, logprobs = engine_run(engine)
+    assert tokens == reference
+    assert_logprobs_close(logprobs, ref_logprobs, what=name)
     assert engine.get_stats().num_compilations_after_warmup == 0
 
 
@@ -70,7 +74,9 @@ CASES = [f"{name}/tp{tp}/pp{pp}" + ("/ep" if ep else "") for name, s in SETTINGS
 @pytest.mark.parametrize("case", CASES)
 def test_parallel_greedy_equals_transformers(checkpoints, multi_device, case):
     r = multi_device[case]
-    assert r["tokens"] == checkpoints[case.split("/")[0]][1]
+    _, reference, ref_logprobs = checkpoints[case.split("/")[0]]
+    assert r["tokens"] == reference
+    assert_logprobs_close(r["logprobs"], ref_logprobs, what=case)
     assert r["compiles_after_warmup"] == 0
     sizes = set(r["expert_bytes"].values())
     if "tp2" in case:  # every device holds half of each stage's expert weights, split on E with EP
@@ -80,24 +86,25 @@ def test_parallel_greedy_equals_transformers(checkpoints, multi_device, case):
 
 def test_served_over_http_with_no_compilation_after_warmup(checkpoints, engines):
     """`jaxserve serve`'s app on a real uvicorn server in front of the Qwen3-MoE engine: text in (its
-    word-level tokenizer), transformers' greedy tokens out, nothing compiled after warm-up."""
+    word-level tokenizer), transformers' greedy tokens and their logprobs out, nothing compiled after warm-up."""
     import httpx
 
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.api_server import build_app
     from tests.fake_engine import serve_in_thread
 
-    path, reference = checkpoints["qwen3_moe"]
+    path, reference, ref_logprobs = checkpoints["qwen3_moe"]
     engine = AsyncLLM(engines.pop("qwen3_moe", None) or make_engine(path))
     try:
         with serve_in_thread(build_app(engine)) as url:
             model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
             prompts = [" ".join(f"w{t}" for t in p) for p in PROMPTS]
             resp = httpx.post(f"{url}/v1/completions", timeout=300, json=dict(
-                model=model, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0))
+                model=model, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0, logprobs=0))
             assert resp.status_code == 200, resp.text
             choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
             assert [c["text"].split() for c in choices] == [[f"w{t}" for t in r] for r in reference]
+            assert_logprobs_close([c["logprobs"]["token_logprobs"] for c in choices], ref_logprobs, what="HTTP")
             bad = httpx.post(f"{url}/v1/completions", timeout=30, json=dict(model=model, prompt="w1", max_tokens=-1))
             assert bad.status_code == 400 and "max_tokens" in bad.text
             metrics = httpx.get(f"{url}/metrics", timeout=30).text
@@ -111,13 +118,13 @@ def test_cpu_default_keeps_bfloat16_experts_as_their_bits(checkpoints):
     """`--dtype auto` on a CPU with bfloat16 dots: the bfloat16 checkpoint's expert stacks stay
     bfloat16 (their bits, half float32's bytes; the other weights float32), and steps of float32
     dots (here every step: 16 tokens at most) read them as their exact float32 values: transformers'
-    float32 greedy tokens."""
+    float32 greedy tokens and their logprobs."""
     from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS
     from jaxserve.worker import sizing
 
     if not sizing.cpu_has_bf16_dots():
         pytest.skip("this CPU has no bfloat16 dot instructions: the CPU default keeps float32 experts")
-    path, reference = checkpoints["mixtral"]
+    path, reference, ref_logprobs = checkpoints["mixtral"]
     engine = make_engine(path, dtype="auto")
     try:
         cfg, layers = engine.model.config, engine.runner.params["layers"]
@@ -128,7 +135,9 @@ def test_cpu_default_keeps_bfloat16_experts_as_their_bits(checkpoints):
         size = 3 * cfg.num_layers * 8 * 32 * 64 * 2 / 2**20
         assert f"MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB" in engine.startup_report()
         assert engine.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(engine.model.params))
-        assert engine_greedy(engine) == reference
+        tokens, logprobs = engine_run(engine)
+        assert tokens == reference
+        assert_logprobs_close(logprobs, ref_logprobs, what="bfloat16 bits")
         assert engine.get_stats().num_compilations_after_warmup == 0
     finally:
         engine.shutdown()
@@ -142,7 +151,7 @@ def test_loader_reads_bfloat16_experts_as_their_bits(checkpoints, name):
     from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS, widen
     from jaxserve.weights.loader import load_model
 
-    path, _ = checkpoints[name]
+    path = checkpoints[name][0]
     full = load_model(str(path), "float32", progress=False).params
     bits = load_model(str(path), "float32", progress=False, expert_bits=True).params
     assert sorted(bits["layers"]) == sorted(full["layers"])
