@@ -1,99 +1,34 @@
 """The Mixture-of-Experts block: route each token to its top-k experts, run only those rows.
 
-    x [T, H] --router--> ids [T, k] i32, weights [T, k] f32
-      T*k <= 4E    gather: each (token, choice) row times its own expert's weights (a loop over
-                   chunks of 8 or 16 rows; with the layer's own arrays (below): to 2E; fp8
-                   stacks: to 8 rows, mxfp4: to E): only touched experts are ever read
-      otherwise    batched: the T*k rows sorted by expert (group_sizes [E]); every expert's first
-                   C rows in one pass of three batched dots over all the stacks; the rows of a
-                   group larger than C go through a loop over blocks of C rows of one expert,
-                   only the blocks that have rows (nothing is dropped)
-                   -- in the engine (stacks read lazily, below): the batched pass on the layer's
-                   own arrays when 60% (bfloat16 experts: 30%) of the experts have rows, else
-                   that loop for every row (also without the layer's arrays, and for packed stacks)
+    x [T, H] --route--> ids [T, k] i32, weights [T, k] f32
+      Pallas backend   grouped: the T*k rows sorted by expert, gate/up/down as three grouped
+                       matmuls (expert_weights.grouped_matmul: pallas_kernels/grouped_matmul.py)
+      T*k small        gather (_gather_max_rows: 4E; 2E with layer views, fp8 8, mxfp4 E): each
+                       row times its own expert, in chunks of independent products
+      otherwise        batched: the rows sorted by expert, every expert's first C rows in three
+                       batched dots over the stacks, a group's rows past C through a loop over
+                       blocks of one expert (nothing dropped); or that loop for every row: packed
+                       stacks, a LayerStack without layer views, or too few experts with rows
     y [T, k, H] -> sum_k weights * y -> [T, H]
 
+`expert_swiglu` is the one place the path is chosen. Why (XLA:CPU): the gather path reads only the
+touched experts; batched dots over all the stacks beat per-expert loops once most experts have
+rows; `jax.lax.ragged_dot` lowers as a masked dense product per expert (not used). Every stack is
+output-major, [E, N, K] (each expert [out, in], as nn.Linear and the hub store it;
+expert_weights.py), so `row @ w[e].T` fuses into one loop reading the expert once.
+
 In the engine the layer scan hands each layer the whole [L, E, N, K] stacks and its index
-(expert_weights.LayerStack): the gather path and the loop read (layer, expert) in one slice. The
-scan's own per-layer slices were copied out whole before any path ran -- three 50 MB copies a
-layer a step at Qwen3-30B-A3B's quarter width: 20 ms a layer at 1 token where the layer takes
-0.5 (scripts/bench_moe.py --scan). The batched dots need the layer's stacks whole: a slice of the
-stack, the layer's or the scan's, is copied before a library dot reads it, and then they lose to
-the loop at every size (4 layers of 128 experts: 32 against 23 ms a layer at 32 tokens, 35
-against 28 at 64, 47 against 41 at 256). On one CPU device the runner also hands over each
-layer's stacks as arrays of their own sharing the stack's memory (LayerStack.layers,
-expert_weights.layer_views: zero-copy, no bytes added), and the batched dots `lax.switch` to the
-layer's, reading them in place: 18.6 against 28 ms at 64 tokens, 30.7 against 42 at 256. The
-views cut each layer's experts into VIEW_PARTS arrays, and the batched pass runs three dots a
-part: XLA:CPU runs the parts side by side on its cores, where one batched dot over all the
-experts kept them one (the layer scan, `bench_moe.py --scan 4`, batched pass: 13.1 against
-18.8-19.1 ms at 64 tokens, 20.2 against 30.6-31.3 at 256; 8 parts ran 2-8% faster than 4, 16 2%
-faster than 8, for a longer compile). Padding
-rows of a step (`valid`) are routed nowhere: alike, they would all pick the same experts and
-overflow them.
+(expert_weights.LayerStack): a per-layer slice would be copied whole each step before any path
+(or the Pallas kernel's custom call) reads it. On one CPU device each layer's stacks also come as
+zero-copy arrays of their own in VIEW_PARTS parts (LayerStack.layers), which the batched dots
+`lax.switch` to, three dots a part, so that XLA:CPU runs the parts on all its cores.
 
-Every expert stack is output-major, [E, N, K] (each expert [out, in], as nn.Linear and the hub
-store it; expert_weights.py), in every form. `expert_swiglu` is the one place the path is
-chosen. With the Pallas backend (GPU: the step's `backend`, as attention's) every size takes the
-grouped path instead: the T*k rows sorted by expert, then gate, up and down as three grouped
-matmuls (expert_weights.grouped_matmul: the Pallas Triton kernel pallas_kernels/grouped_matmul.py,
-lhs [M, K] sorted by group, rhs [E, N, K], group_sizes [E] -> [M, N]; a static grid of
-cdiv(M, 16) + min(E, M) row blocks, one expert each, so its cost follows the touched experts).
-On one device the kernel takes a LayerStack's whole [L, E, N, K] stacks and the layer, and reads
-the layer's experts in place. A slice of the stacks handed to the kernel's custom call would
-likely be a copy of the layer's whole stacks each step (1.2 GB a layer at Qwen3-30B-A3B's bfloat16
-shapes): XLA:GPU's DynamicSliceFusionRewriter lets cuBLAS matmuls, reduce-scatters and registered
-custom-call targets read a slice in place, and the Triton kernel call is none of them (read in
-XLA's source; not measured on a GPU). The TP and EP shard_maps take the LayerStack whole too: each
-device's kernel reads its part of the layer in place.
-
-Expert weights may be packed (expert_weights.py: block-wise fp8 QuantizedWeight, Mxfp4Weight),
-dequantized inside the program, only the touched experts: the gather path unpacks each row's
-expert (fp8: up to 8 rows, `_gather_max_rows`); past it `_looped_swiglu`, a loop over the
-experts, unpacks each touched one once for its rows (unpacking all the stacks for the batched
-dots cost 2-3x more: 70 against 28-34 ms at 64 tokens). The experts run in their weights' dtype:
-casting float32 stacks to bfloat16 each step cost more than the dots saved (43 against 18 ms for
-the layer at 64 tokens). The CPU default instead keeps a bfloat16 checkpoint's experts as their
-bits (expert_weights.bf16_bits, made by LLMEngine where the CPU has bfloat16 dots): every path
-widens the experts it reads to float32 exactly inside its product, and in a step of bfloat16 dots
-(engine/config.py, bf16_dots_from: 64+ tokens) the batched dots read the layers' own arrays as
-bfloat16 (below that, past the gather path, the loop): BENCHMARKS.md, `--experts bf16`.
-
-Why these paths (XLA:CPU, jax 0.10, the 2-core Xeon, scripts/bench_moe.py: 128 experts of
-H = 512 -> I = 192, top-8 -- Qwen3-30B-A3B's proportions -- float32, ratios side by side in one run):
-  * the layout. Over [E, K, N] stacks XLA:CPU copies each row's `w[e]` out before the library's
-    dot (read, write, read again): the gather path ran 2.1-2.3x the dense layer of the active
-    width at 1 token. Over [E, N, K], `row @ w[e].T` is one fusion of slice, transpose and
-    vector-matrix product reading the expert once: 1.0-1.1x. Written as a dot_general contracting
-    w's last axis it is not fused (1.6-1.9x slower): `_swiglu` keeps the transpose.
-  * `jax.lax.ragged_dot` is lowered on the CPU as a masked dense product per expert over all rows
-    (200x the gather path at 1 token, 38x the batched one at 256). Not used.
-  * batched dots over the stacks (w [E, N, K] . x [E, C, K] -> [E, N, C]) beat a loop of per-expert
-    dots 1.5-3x at every C, the activations kept [E, I, C] between them. Asking XLA for the result
-    as [E, C, N] directly (or transposing it without the optimization barrier) made it transpose
-    the weight stacks instead: 9x slower. The rows are gathered back from [E, N, C] as they are
-    (each sorted row's (expert, slot) column; transposing the 8 parts' outputs to [E, C, N] first
-    cost 0.8-1.5 ms at 64-256 tokens).
-  * C = mean + 2 sigma of a uniform routing's group size (8 slots at 32-64 tokens, 24 at 256):
-    against 3 sigma the smaller pass and a few overflow rows cost less (19.6 against 20.7 ms at 64
-    tokens, 30.4 against 38.3 at 256); against 1 sigma the overflow costs more (20.2, 33.3).
-  * the gather path reads k experts per row, the batched one every expert: gather while
-    T*k <= 4E (_gather_max_rows; 2E with the layers' own arrays in parts), its rows in chunks of 8
-    (16 past 64 rows) independent products (_gathered_swiglu).
-  * past it the batched pass reads every expert, the loop only the touched ones: with the layers'
-    own arrays the program picks the batched pass when 60% of the experts have rows (_busy_batched;
-    30% for bfloat16 experts, whose batched dots are bfloat16).
-  * the rows past C: a loop over blocks of C rows of one expert, each a slice of the sorted rows
-    read and written in place; a loop over every expert a round, each writing its C slots with a
-    scatter of the whole [E*C, H], cost a scatter of the rows each round (1.2 ms at 256 tokens).
-    The batched pass's rows come back by a gather of each sorted row's slot, not a scatter.
-  * the floor at 64+ tokens: the batched dots stream the stacks at about a third of a one-row
-    product's bandwidth (log.md); the parts (above) keep both cores on them.
-Against the bounds (BENCHMARKS.md, "MoE layer"): 0.9-1.3x the dense layer of the active width at
-1 token; at 4 tokens 0.7-0.8x the time of reading the 28 touched experts once (3.5x the active-width
-layer: no exact path reads fewer); at 64 to 256 tokens 1.6-1.9x of reading every touched expert
-once plus the active FLOPs in the layer scan (the engine's setting), 1.9-2.1x for one layer
-called directly.
+Packed experts (block-wise fp8 QuantizedWeight, Mxfp4Weight) are dequantized inside the program,
+only the touched ones. The experts run in their weights' dtype; the CPU default keeps a bfloat16
+checkpoint's experts as their bits (expert_weights.bf16_bits, at load): every path widens what it
+reads to float32 exactly inside its product, and in a step of bfloat16 dots (engine/config.py,
+bf16_dots_from) the batched dots read the layers' own arrays as bfloat16. Padding rows of a step
+(`valid`) are routed nowhere: alike, they would all pick the same experts and overflow them.
 
 Expert parallelism (`--enable-expert-parallel`): the expert axis is split over the mesh's
 "model" axis; every device sees every token (x replicated), keeps the rows routed to its own
@@ -101,6 +36,10 @@ experts (others get weight 0 and are sorted past the last group), and one `psum`
 devices' partial sums (shard_map; the mesh is the jit's own, read from the weights' avals).
 Without the flag, on the Pallas backend, the same shard_map runs each device's slice of every
 expert's intermediate axis (`_intermediate_split`): XLA cannot partition a Pallas kernel itself.
+
+The figures behind each choice and threshold (scripts/bench_moe.py on the 2-core Xeon):
+docs/benchmarks/log.md, "the MoE layer's paths, the figures behind jaxserve/models/moe.py"; the
+design in docs/design/moe.md; the current results in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -299,10 +238,9 @@ def _row_experts(sizes: jax.Array, num_rows: int) -> jax.Array:
 def _gather_max_rows(experts: Experts) -> int:
     """The most rows (T*k) the gather path takes: it reads an expert per row (from the cache for an
     expert's later rows: they come sorted), the batched path every expert. 4E for float stacks
-    (ms, gather against batched, `bench_moe.py`: one layer in the cache 6.7 / 13.9 at 16 tokens,
-    11.8 / 15.9 at 32, 15.2 / 18.2 at 64; in the layer scan 16.8 / 19.0 at 64, 24.4 / 23.5 at 128);
-    8 for fp8 stacks, whose per-row dequantization costs more than the per-expert loop's past one
-    decode token (8.5 against 6.0 ms at 4 tokens); E for mxfp4."""
+    (2E with layer views, whose batched pass is faster); 8 for fp8 stacks, whose per-row
+    dequantization costs more than the per-expert loop's past one decode token; E for mxfp4.
+    Break-even figures: docs/benchmarks/log.md (module docstring)."""
     stored = _stored(experts.w_gate)
     if isinstance(stored, QuantizedWeight):
         return 8
@@ -326,7 +264,7 @@ def _bf16_bits(experts: Experts) -> bool:
 def _swiglu(x: jax.Array, experts: Experts, e: jax.Array) -> jax.Array:
     """x [C, H] through expert e (traced) -> [C, H]. Each weight is `x @ w[e].T` (expert_weight: a
     float expert's slice, transpose and dot fuse into one XLA:CPU loop that reads it once; a
-    dot_general contracting w's last axis directly runs 1.6-1.9x slower)."""
+    dot_general contracting w's last axis directly is not fused, and slower)."""
     weight = lambda w: expert_weight(w, e, x.dtype)  # noqa: E731  [K, N] (packed: this expert dequantized)
     dot = lambda a, w: a.astype(w.dtype) @ w  # noqa: E731  (each product in the weights' dtype, as the kernel's)
     gate, up = dot(x, weight(experts.w_gate)), dot(x, weight(experts.w_up))
@@ -371,7 +309,7 @@ def _stacked_swiglu(xs: jax.Array, experts: Experts, sums: jnp.dtype | None = No
     if experts.b_down is not None:
         out = out + experts.b_down[:, :, None]
     # The barrier keeps XLA from choosing the dots' output layout for what reads it: for a transpose
-    # it transposed every weight stack instead (9x slower at 4 slots).
+    # it transposed every weight stack instead (several times slower).
     return jax.lax.optimization_barrier(out).astype(xs.dtype)  # [E, H, C]
 
 
@@ -399,10 +337,8 @@ def _gathered_swiglu(lhs: jax.Array, row_experts: jax.Array, experts: Experts) -
     matrix-vector product reading only its expert's weights: [M, H]. The rows come sorted by
     expert (expert_swiglu), so an expert's later rows find it in the cache, and the rows nobody
     computes come last. A loop over chunks of GATHER_CHUNK rows (one chunk: no loop): a chunk's
-    products are independent and XLA:CPU runs them side by side (one row an iteration, each
-    behind its own `cond`, ran 1.2-1.7x slower: `bench_moe.py --scan 4`, log.md); a chunk whose
-    first row is past the groups is skipped. Chunks of 16 past 64 rows: 8% faster at 256 rows
-    (10.8 against 11.7 ms a layer in the scan), even at 128, 3% slower at 64."""
+    products are independent and XLA:CPU runs them side by side (faster than one row an
+    iteration behind its own `cond`); a chunk whose first row is past the groups is skipped."""
     num_experts, (m, h) = experts.num_experts, lhs.shape
     size = GATHER_CHUNK[m > 64]
     pad = -m % size
@@ -429,14 +365,9 @@ def _chunk_rows(x: jax.Array, e: jax.Array, experts: Experts) -> jax.Array:
 def _busy_batched(lhs: jax.Array, sizes: jax.Array, experts: Experts) -> jax.Array:
     """`_batched_swiglu` when at least BATCHED_TOUCHED of the experts have rows, else `_looped_swiglu`
     (chosen in the program, from sizes): the batched dots read every expert, the loop only the
-    touched ones, and a router may leave most experts idle even at hundreds of tokens (the random
-    Qwen3-MoE of scripts/moe_peer_model.py sends 512 tokens to 22-37 of 128 experts in 13 of 16 layers;
-    batched there: 1381 against 1187 ms of model time for a prompt step, scripts/profile_step.py).
-    In the layer scan (`bench_moe.py --scan 4`, uniform routing) the loop costs 0.21-0.28 ms a
-    touched expert and the batched pass 14-21.5 ms at 64-256 tokens: they break even at 53-60% of
-    128 experts touched. Stacks of bfloat16 bits (taken here only in steps of bfloat16 dots) run the
-    batched dots in bfloat16, 2x faster, and break even with the loop at 25-31% (`--scan 4 --experts
-    bf16 --experts-used U`, figures in log.md): BATCHED_TOUCHED_BF16."""
+    touched ones, and a router may leave most experts idle even at hundreds of tokens. The shares
+    are where the two break even in the layer scan (float stacks; stacks of bfloat16 bits, whose
+    batched dots run in bfloat16, 2x faster): figures in docs/benchmarks/log.md."""
     share = BATCHED_TOUCHED_BF16 if _bf16_bits(experts) else BATCHED_TOUCHED
     busy = jnp.count_nonzero(sizes) >= math.ceil(share * experts.num_experts)
     return jax.lax.cond(busy, _batched_swiglu, _looped_swiglu, lhs, sizes, experts)
