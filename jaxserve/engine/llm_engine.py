@@ -40,10 +40,10 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
-from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, kv_values_dtype, resolve_backend
-from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS, with_bf16_bits
+from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
+from jaxserve.weights import expert_bits
 from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
 from jaxserve.weights.source import describe_model
 from jaxserve.lora.manager import LoRAManager
@@ -79,7 +79,8 @@ class LLMEngine:
         # copy) may share buffers with it (device_put reuses a buffer already on the device): those
         # are only dropped, for the collector to free what nothing else holds.
         self._owns_weights = model is None
-        bf16_experts = _keeps_bf16_experts(args)
+        bf16_experts = expert_bits.keeps_bf16_experts(default_bf16_dots_from(args, jax.default_backend()),
+                                                      args.attention_backend)
         if model is None:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
@@ -103,7 +104,7 @@ class LLMEngine:
             params = quantize_params(model.params, model.config, args.quantization, ids)
             model = dataclasses.replace(model, params=params)
         if bf16_experts:  # a LoadedModel passed in, or a float32 checkpoint holding bfloat16 values
-            model = _with_bf16_experts(model)
+            model = expert_bits.with_bf16_experts(model)
         self.model_dtype = model.params["embed"].dtype
         self.pipeline = self._pipeline(model, devices) if args.pipeline_parallel_size > 1 else None
         if self.pipeline is not None:  # the engine keeps the last stage's params: the sampler's
@@ -160,7 +161,7 @@ class LLMEngine:
         tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
         width = jnp.dtype(self.model_dtype).itemsize
         self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
-                                                           args.quantization, _expert_width(self.model.params))
+                                                           args.quantization, expert_bits.expert_width(self.model.params))
         # the LoRA slots are allocated beside the weights, before the pool (vLLM's profile run counts them)
         self.lora_bytes = _lora_bytes(args, cfg, width, tp)
         self.activation_bytes = 0
@@ -381,7 +382,7 @@ class LLMEngine:
                 f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s"
-                + _bf16_experts_note(self.model.params) + platform_defaults_note(self.config))
+                + expert_bits.bf16_experts_note(self.model.params) + platform_defaults_note(self.config))
 
 
 def platform_defaults_note(config: EngineConfig) -> str:
@@ -396,47 +397,6 @@ def platform_defaults_note(config: EngineConfig) -> str:
             f"BENCHMARKS.md). The exact float32 configuration, the one held to "
             f"transformers: --block-size {sizing.ACCELERATOR_BLOCK_SIZE} "
             f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE} --speculative-config '{{}}' --dtype float32")
-
-
-def _keeps_bf16_experts(args: EngineArgs) -> bool:
-    """The CPU default (`--dtype auto` on one CPU device with bfloat16 dots, bf16_dots_from, which is 0
-    under any parallelism; the XLA attention path) keeps a bfloat16 checkpoint's MoE expert stacks
-    as their bfloat16 bits, half float32's bytes: the loader reads them so (never widened to
-    float32 on the way), every path reads them widened to float32 exactly, and the batched dots of
-    the steps that take bfloat16 dots read them as bfloat16 (models/expert_weights.py). Other
-    weights stay float32."""
-    return (default_bf16_dots_from(args, jax.default_backend()) > 0
-            and resolve_backend(args.attention_backend) not in PALLAS_BACKENDS)
-
-
-def _with_bf16_experts(model: LoadedModel) -> LoadedModel:
-    """`model` with float32 expert stacks that hold only bfloat16 values as their bits (a
-    LoadedModel passed in, a float32 checkpoint of bfloat16 values); the loader's bits as they are."""
-    layers = with_bf16_bits(model.params["layers"])
-    if layers is model.params["layers"]:
-        return model
-    return dataclasses.replace(model, params={**model.params, "layers": layers})
-
-
-def _bf16_bits_stacks(params: dict) -> list[jax.Array]:
-    """The expert stacks, where all are kept as bfloat16 bits (`_keeps_bf16_experts`); else []."""
-    stacks = [params.get("layers", {}).get(k) for k in EXPERT_STACKS]
-    return stacks if all(isinstance(w, jax.Array) and w.dtype == BF16_BITS for w in stacks) else []
-
-
-def _expert_width(params: dict) -> int | None:
-    """Bytes per element of the expert stacks where they differ from the model dtype's (bits: 2)."""
-    return jnp.dtype(BF16_BITS).itemsize if _bf16_bits_stacks(params) else None
-
-
-def _bf16_experts_note(params: dict) -> str:
-    """The start-up report's word on experts kept as bfloat16 bits, else empty."""
-    stacks = _bf16_bits_stacks(params)
-    if not stacks:
-        return ""
-    size = sum(w.nbytes for w in stacks) / 2**20
-    return (f"; MoE experts kept as the checkpoint's bfloat16: {size:.1f} MiB, half of float32's "
-            f"(--dtype float32 keeps float32)")
 
 
 def _read_template(value: str) -> str:

@@ -77,8 +77,8 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
     if args.pipeline_parallel_size > cfg.num_layers:
         raise ValueError(f"pipeline_parallel_size: {args.pipeline_parallel_size} stages for {cfg.num_layers} layers")
     tokens = args.max_num_batched_tokens or sizing.default_max_num_batched_tokens(max_len)
-    # the engine's CPU default on this host (LLMEngine._keeps_bf16_experts): a bfloat16 checkpoint's
-    # experts stay bfloat16 where the CPU has bfloat16 dots, on one device
+    # the engine's CPU default on this host (weights/expert_bits.keeps_bf16_experts): a bfloat16
+    # checkpoint's experts stay bfloat16 where the CPU has bfloat16 dots, on one device
     bf16_experts = (gpu is None and args.dtype == "auto" and cfg.moe is not None and quant is None
                     and src.torch_dtype == "bfloat16" and args.tensor_parallel_size == args.pipeline_parallel_size == 1
                     and sizing.default_bf16_dots_from(True) > 0)
