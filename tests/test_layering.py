@@ -3,12 +3,14 @@
 Every module under jaxserve/ and pallas_kernels/ is parsed with `ast` (no import runs), and every
 import counts: at module level, inside functions, under `if TYPE_CHECKING:`, and
 `importlib.import_module("literal")`. `from a.b import c` is an edge to the module a.b.c when
-that is a module, else to a.b. A new package must be given its place in LAYERS below.
+that is a module, else to a.b. The layers are docs/architecture.md's table ("The folders and who
+may import whom"), read from the page: a new package is given its row there.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -16,23 +18,38 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TOP_PACKAGES = ("jaxserve", "pallas_kernels")
 
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+TABLE_HEADING = "## The folders and who may import whom"
+
+
+def parse_layers(markdown: str) -> tuple[list[tuple[str, tuple[str, ...]]], set[str]]:
+    """docs/architecture.md's layer table, the one source of the rule: (layer, module names) lowest
+    first, and the names that match only themselves. A folder `a/b/` is the module a.b and
+    everything under it, a file `a/b.py` the module a.b, `a/__init__.py` the package a alone."""
+    section = markdown.split(TABLE_HEADING, 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    if len(rows) < 3 or [c.strip() for c in rows[0].strip("|").split("|")][:2] != ["layer", "folders"]:
+        raise ValueError(f"no | layer | folders | ... | table under {TABLE_HEADING!r} in docs/architecture.md")
+    layers, exact_only = [], set()
+    for row in rows[2:]:  # past the header and its |---| line
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        names = []
+        for path in re.findall(r"`([^`]+)`", cells[1]):
+            if not re.fullmatch(r"[a-z_]+(/[a-z_]+)*(/|\.py)", path):
+                raise ValueError(f"layer {cells[0]!r}: {path!r} is neither a folder (a/b/) nor a file (a/b.py)")
+            name = path.removesuffix("/").removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+            if path.endswith("/__init__.py"):
+                exact_only.add(name)
+            names.append(name)
+        if not names:
+            raise ValueError(f"layer {cells[0]!r} names no folder")
+        layers.append((cells[0], tuple(names)))
+    return layers, exact_only
+
+
 # Lowest first. A module may import its own layer and those below it, never one above. A name
-# matches itself and everything under it; the longest match wins (so two modules of
-# jaxserve/quantization/ that run the model sit above jaxserve/models/).
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("L0 core: pure Python, no JAX", ("jaxserve.constants", "jaxserve.core")),
-    ("L1.0 kernels and the sampler", ("pallas_kernels", "jaxserve.sample")),
-    ("L1.1 weight types and the matmul", ("jaxserve.quantization",)),
-    ("L1.2 models, and the LoRA hook they call", ("jaxserve.models", "jaxserve.lora")),
-    ("L1.3 quantization that runs the model", ("jaxserve.quantization.calibrate",
-                                               "jaxserve.quantization.quantize")),
-    ("L1.4 parallel", ("jaxserve.parallel",)),
-    ("L1.5 weights: what a model is, and loading it", ("jaxserve.weights",)),
-    ("L2 worker", ("jaxserve.worker",)),
-    ("L3 engine", ("jaxserve.engine", "jaxserve.pooling")),
-    ("L4 front ends", ("jaxserve.entrypoints", "jaxserve.bench", "jaxserve.plan", "jaxserve.cli", "jaxserve")),
-]
-EXACT_ONLY = {"jaxserve"}  # the package's __init__ itself, not everything under it
+# matches itself and everything under it (EXACT_ONLY: itself alone); the longest match wins.
+LAYERS, EXACT_ONLY = parse_layers(ARCHITECTURE.read_text(encoding="utf-8"))
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -159,14 +176,14 @@ def project():
 def test_every_module_has_a_layer(project):
     files, _ = project
     missing = sorted(m for m in files if layer_of(m) is None)
-    assert not missing, (f"modules in no layer: {missing}. Add their package to LAYERS in "
-                         "tests/test_layering.py at its place (and to docs/architecture.md's table)")
+    assert not missing, (f"modules in no layer: {missing}. Add their package to docs/architecture.md's "
+                         "layer table (\"The folders and who may import whom\") at its place")
 
 
 def test_every_layer_entry_names_a_module(project):
     files, _ = project
     stale = [n for _, names in LAYERS for n in names if n not in files]
-    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+    assert not stale, f"docs/architecture.md's layer table names modules that do not exist: {stale}"
 
 
 def test_no_lower_layer_imports_a_higher_one(project):
@@ -198,11 +215,26 @@ def test_the_checks_catch_what_they_are_for():
     }
     graph = import_graph(sources, {"jaxserve.core", "jaxserve.worker", "jaxserve.engine", "jaxserve.newpkg"})
     assert graph["jaxserve.core.b"] == {"jaxserve.core.a": 1}
-    assert layer_violations(graph) == ["jaxserve.worker.w:2: jaxserve.worker.w (L2 worker) imports "
-                                       "jaxserve.engine.llm_engine (L3 engine)"]
+    worker, engine = LAYERS[layer_of("jaxserve.worker.w")][0], LAYERS[layer_of("jaxserve.engine.llm_engine")][0]
+    assert layer_violations(graph) == [f"jaxserve.worker.w:2: jaxserve.worker.w ({worker}) imports "
+                                       f"jaxserve.engine.llm_engine ({engine})"]
     assert sorted(cycles(graph)) == [["jaxserve.core.a", "jaxserve.core.b"],
                                      ["jaxserve.engine.llm_engine", "jaxserve.worker.w"]]
     assert layer_of("jaxserve.newpkg") is None and layer_of("jaxserve.newpkg.slots") is None
     assert layer_of("jaxserve") == len(LAYERS) - 1 and layer_of("jaxserve.cli") == len(LAYERS) - 1
     assert layer_of("jaxserve.quantization.quantize") > layer_of("jaxserve.models.llama") \
         > layer_of("jaxserve.quantization.matmul")
+
+
+def test_the_layer_table_is_read_as_written():
+    """The parser on a made-up page: folders match everything under them, files themselves, an
+    __init__.py its package alone; a cell that is not a path, or a missing table, is an error."""
+    page = (f"# x\n\n{TABLE_HEADING}\n\ntext\n\n| layer | folders | what |\n|---|---|---|\n"
+            "| low | `pkg/core/`, `pkg/constants.py` | a |\n| top | `pkg/cli.py`, `pkg/__init__.py` | b |\n\n"
+            "## Next\n\n| layer | folders | what |\n|---|---|---|\n| ignored | `other/` | c |\n")
+    assert parse_layers(page) == ([("low", ("pkg.core", "pkg.constants")), ("top", ("pkg.cli", "pkg"))], {"pkg"})
+    with pytest.raises(ValueError, match="neither a folder"):
+        parse_layers(page.replace("`pkg/cli.py`", "`LLMEngine`"))
+    with pytest.raises(ValueError, match="no | layer | folders"):
+        parse_layers(page.replace("| layer | folders | what |", "| kind | where | what |", 1))
+    assert LAYERS[0][1] == ("jaxserve.constants", "jaxserve.core") and "jaxserve.entrypoints" in LAYERS[-1][1]
