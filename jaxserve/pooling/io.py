@@ -30,9 +30,19 @@ def as_inputs(value: object, field: str = "input") -> list[str] | list[list[int]
     raise ValueError(f"{field}: mix of strings and token ids")
 
 
+def truncate_ids(ids: list[int], keep: int, side: str) -> list[int]:
+    """vLLM's rule for token ids: keep `keep` of them from the end the tokenizer truncates
+    (`truncation_side`, "right" unless tokenizer_config.json says "left"): the first ones for "right",
+    the last ones for "left". Text goes through the tokenizer's own truncation, which cuts the same end
+    (keeping its special tokens), so a text and its token ids are cut alike."""
+    return list(ids[-keep:]) if side == "left" else list(ids[:keep])
+
+
 def tokenize(tokenizer, inputs: list, truncate: int | None, max_model_len: int, vocab_size: int,
-             add_special_tokens: bool = True) -> list[TokenizedInput]:
-    """Texts go through the tokenizer in one batch call (Rust, parallel); token-id lists are checked."""
+             add_special_tokens: bool = True, do_lower_case: bool = False) -> list[TokenizedInput]:
+    """Texts go through the tokenizer in one batch call (Rust, parallel); token-id lists are checked.
+    do_lower_case (sentence_bert_config.json's): texts are lower-cased first, as vLLM and
+    sentence-transformers < 6 do."""
     if truncate is not None and truncate == -1:
         truncate = max_model_len
     if truncate is not None and truncate < 1:
@@ -40,26 +50,30 @@ def tokenize(tokenizer, inputs: list, truncate: int | None, max_model_len: int, 
     if truncate is not None and truncate > max_model_len:
         raise ValueError(f"truncate_prompt_tokens: {truncate} is past the model's maximum context length "
                          f"{max_model_len}")
-    texts = [(i, v) for i, v in enumerate(inputs) if isinstance(v, str)]
+    texts = [(i, v.lower() if do_lower_case else v) for i, v in enumerate(inputs) if isinstance(v, str)]
     out: list[list[int]] = [[] for _ in inputs]
     if texts:
         kw = dict(truncation=True, max_length=truncate) if truncate else {}
         enc = tokenizer([t for _, t in texts], add_special_tokens=add_special_tokens, **kw)["input_ids"]
         for (i, _), ids in zip(texts, enc):
             out[i] = list(ids)
+    side = getattr(tokenizer, "truncation_side", "right")
     for i, v in enumerate(inputs):
         if isinstance(v, list):
             bad = [t for t in v if not isinstance(t, int) or not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"input: token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-            out[i] = list(v[-truncate:]) if truncate else list(v)
+            out[i] = truncate_ids(v, truncate, side) if truncate else list(v)
     if any(not ids for ids in out):
         raise ValueError("input: an input has no tokens (this tokenizer adds no special tokens to an empty text)")
     return [(ids, None) for ids in out]
 
 
-def tokenize_pairs(tokenizer, firsts: list[str], seconds: list[str], max_model_len: int) -> list[TokenizedInput]:
+def tokenize_pairs(tokenizer, firsts: list[str], seconds: list[str], max_model_len: int,
+                   do_lower_case: bool = False) -> list[TokenizedInput]:
     """Cross-encoder inputs: each (first, second) as one sequence with its segment ids."""
+    if do_lower_case:
+        firsts, seconds = [t.lower() for t in firsts], [t.lower() for t in seconds]
     enc = tokenizer(firsts, seconds, truncation=True, max_length=max_model_len)
     types = enc.get("token_type_ids") or [None] * len(firsts)
     return [(list(ids), list(t) if t is not None else None) for ids, t in zip(enc["input_ids"], types)]
@@ -79,7 +93,8 @@ def check_dimensions(info: PoolingModelInfo, dimensions: int | None, hidden: int
 
 
 def embedding(row: np.ndarray, dimensions: int | None, normalize: bool) -> np.ndarray:
-    """A Matryoshka cut keeps the first `dimensions` values and normalizes again, as vLLM."""
+    """`row`: the post-processed embedding (pooler.Pooler.postprocess). A Matryoshka cut keeps its
+    first `dimensions` values and normalizes again, as vLLM."""
     if dimensions is None:
         return row.astype(np.float32)
     cut = row[:dimensions].astype(np.float32)
