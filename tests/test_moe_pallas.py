@@ -196,8 +196,8 @@ def test_interpret_mode_tokens_equal_the_xla_path(monkeypatch):
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
 def test_grouped_swiglu_equals_the_xla_paths(num_tokens):
-    """expert_swiglu's grouped path (the Pallas kernel in interpret mode) against its gather / sorted
-    paths, ids past the experts (expert parallelism's other devices) included."""
+    """expert_swiglu's grouped path (the Pallas kernel in interpret mode) and its gather / sorted
+    paths against a numpy loop, ids past the experts (expert parallelism's other devices: 0) included."""
     from jaxserve.models import moe
 
     rng = np.random.default_rng(num_tokens)
@@ -205,9 +205,16 @@ def test_grouped_swiglu_equals_the_xla_paths(num_tokens):
     ex = moe.Experts(w(8, 32, 64), w(8, 32, 64), w(8, 64, 32))  # [E, out, in]
     x = jnp.asarray(rng.standard_normal((num_tokens, 64)), jnp.float32)
     ids = jnp.asarray(rng.integers(0, 9, (num_tokens, 2)), jnp.int32)  # 8: not computed
-    want = moe.expert_swiglu(x, ids, ex)
-    got = jax.jit(moe.expert_swiglu, static_argnames="backend")(x, ids, ex, backend=PALLAS_INTERPRET)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    want = np.zeros((num_tokens, 2, 64))
+    wg, wu, wd, xs = (np.asarray(v, np.float64) for v in (ex.w_gate, ex.w_up, ex.w_down, x))
+    for t, j in np.ndindex(num_tokens, 2):
+        e = int(ids[t, j])
+        if e < 8:
+            gate, up = wg[e] @ xs[t], wu[e] @ xs[t]
+            want[t, j] = wd[e] @ (gate / (1 + np.exp(-gate)) * up)
+    run = jax.jit(moe.expert_swiglu, static_argnames="backend")
+    for backend in ("xla", PALLAS_INTERPRET):
+        np.testing.assert_allclose(run(x, ids, ex, backend=backend), want, rtol=1e-5, atol=1e-5)
 
 
 def test_fp8_block_experts_lower_for_cuda():

@@ -1,5 +1,5 @@
-"""lora_shrink_expand: the Pallas kernel (interpret mode) against its reference (the engine's XLA
-one-hot path) at decode sizes and SmolLM2's projection shapes, its input checks, and its lowering
+"""lora_shrink_expand: the Pallas kernel (interpret mode) and its reference (the engine's XLA one-hot
+path) against a numpy loop over the tokens (each its own slot's A and B) at decode sizes and SmolLM2's projection shapes, its input checks, and its lowering
 for NVIDIA GPUs (Triton) from this CPU machine."""
 
 from __future__ import annotations
@@ -25,15 +25,28 @@ def _inputs(m: int, k: int, n: int, num_slots: int, rank: int, dtype=np.float32,
     return x, slots, a, b
 
 
+def _numpy_delta(x, slots, a, b, rank: int) -> np.ndarray:
+    """Token t of slot s > 0: x[t] @ A_s @ B_s, A_s / B_s slot s's `rank` columns of a / rows of b; 0 for slot 0."""
+    x, a, b = (np.asarray(v, np.float64) for v in (x, a, b))
+    out = np.zeros((x.shape[0], b.shape[1]))
+    for t, s in enumerate(np.asarray(slots)):
+        if s:
+            cols = slice((s - 1) * rank, s * rank)
+            out[t] = x[t] @ a[:, cols] @ b[cols]
+    return out
+
+
 @pytest.mark.parametrize("m,k,n,num_slots,rank", [(1, 576, 576, 1, 8), (16, 576, 192, 4, 16),
                                                    (64, 1536, 576, 8, 8), (5, 64, 1536, 3, 32)])
 def test_kernel_matches_reference(m, k, n, num_slots, rank):
     x, slots, a, b = _inputs(m, k, n, num_slots, rank)
     got = np.asarray(lora_shrink_expand(x, slots, a, b, rank=rank, interpret=True))
-    want = np.asarray(lora_shrink_expand_reference(x, slots, a, b, rank=rank))
+    want = _numpy_delta(x, slots, a, b, rank)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not got[np.asarray(slots) == 0].any()  # the base model's rows: exactly zero
-    # the reference is the engine's XLA path
+    np.testing.assert_allclose(np.asarray(lora_shrink_expand_reference(x, slots, a, b, rank=rank)), want,
+                               rtol=1e-5, atol=1e-5)
+    # the engine's XLA path (the one-hot product) too
     owner = jnp.arange(num_slots * rank, dtype=jnp.int32) // rank + 1
     np.testing.assert_allclose(np.asarray(layers.delta(x, {"a": a, "b": b}, layers.slot_mask(slots, owner))),
                                want, rtol=1e-5, atol=1e-5)

@@ -21,10 +21,18 @@ LLAMA_8B = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]  # (K, N):
 
 
 def _weight(rng, k: int, n: int, group: int, dtype=np.float32) -> QuantizedWeight:
+    return _weight_and_values(rng, k, n, group, dtype)[0]
+
+
+def _weight_and_values(rng, k: int, n: int, group: int, dtype=np.float32) -> tuple[QuantizedWeight, np.ndarray]:
+    """The packed weight and, in numpy from its integers, the float weight [K, N] it stands for:
+    (q - zero) * scale per group of `group` rows (GPTQ's convention), the scales as stored in `dtype`."""
     q = rng.integers(0, 16, (k, n))
     scales = (rng.random((k // group, n)) * 0.02 + 0.001).astype(np.float32)
     zeros = rng.integers(0, 16, (k // group, n))
-    return jax.tree.map(jnp.asarray, pack_int(q, scales, zeros, None, 4, dtype))
+    stored = scales.astype(np.dtype(dtype)).astype(np.float64)
+    values = (q - np.repeat(zeros, group, axis=0)) * np.repeat(stored, group, axis=0)
+    return jax.tree.map(jnp.asarray, pack_int(q, scales, zeros, None, 4, dtype)), values
 
 
 @pytest.mark.parametrize("m,k,n,group,dtype", [
@@ -33,7 +41,7 @@ def _weight(rng, k: int, n: int, group: int, dtype=np.float32) -> QuantizedWeigh
 ])
 def test_kernel_matches_reference(m, k, n, group, dtype):
     rng = np.random.default_rng(m + k + n)
-    w = _weight(rng, k, n, group, dtype)
+    w, values = _weight_and_values(rng, k, n, group, dtype)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     got = w4a16_matmul(x, w.values, w.scales, w.zeros, group_size=group, interpret=True)
     want = w4a16_matmul_reference(x, w.values, w.scales, w.zeros, group_size=group)
@@ -41,9 +49,11 @@ def test_kernel_matches_reference(m, k, n, group, dtype):
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol,
                                atol=tol * float(jnp.abs(want.astype(jnp.float32)).max()))
-    # The reference is the dequantized weight's product (the layout's own inverse).
-    dense = np.asarray(x, np.float32) @ dense_weight(w)
-    np.testing.assert_allclose(np.asarray(want, np.float32), dense, rtol=tol, atol=tol * np.abs(dense).max())
+    # Both are the product with the weight the integers stand for (numpy, not the layout's own inverse).
+    dense = np.asarray(x, np.float64) @ values
+    np.testing.assert_array_equal(dense_weight(w), values.astype(np.float32))
+    for out in (got, want):
+        np.testing.assert_allclose(np.asarray(out, np.float32), dense, rtol=tol, atol=tol * np.abs(dense).max())
 
 
 def test_kernel_rejects_bad_inputs():
