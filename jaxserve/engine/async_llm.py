@@ -43,6 +43,10 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
         self.model_name = engine.model_name
+        # what the server reads besides: every name a request may use, the generation config's
+        # defaults for the fields a request leaves unset, --max-logprobs
+        self.served_model_names = engine.served_model_names
+        self.default_sampling_params, self.max_logprobs = engine.default_sampling_params, engine.args.max_logprobs
         self.dead_error: EngineDeadError | None = None
         self._lock = threading.Lock()  # orders stream registration against the loop's death
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -234,6 +238,8 @@ class DataParallelAsyncLLM:
         first = replicas[0]
         self.tokenizer, self.max_model_len, self.model_name = first.tokenizer, first.max_model_len, first.model_name
         self.block_size = first.block_size
+        self.served_model_names = first.served_model_names
+        self.default_sampling_params, self.max_logprobs = first.default_sampling_params, first.max_logprobs
         self.in_flight = [0] * len(replicas)
         self.num_served = [0] * len(replicas)  # requests each replica has taken, for logs and tests
         self._owner: dict[str, int] = {}

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import os
 import functools
+import logging
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -30,6 +31,7 @@ from jaxserve import parallel
 from jaxserve.engine.output_processor import OutputProcessor
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.config import EngineConfig, default_bf16_dots_from
+from jaxserve.engine.generation_config import generation_defaults
 from jaxserve.worker import sizing
 from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
 from jaxserve.worker.model_runner import ModelRunner, PendingStep, activation_bytes, num_compilations
@@ -44,12 +46,13 @@ from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_ba
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights import expert_bits
-from jaxserve.weights.loader import LoadedModel, load_model, resolve_dtype
+from jaxserve.weights.loader import LoadedModel, load_model, load_tokenizer, resolve_dtype
 from jaxserve.weights.source import describe_model
 from jaxserve.lora.manager import LoRAManager
 from jaxserve.lora.request import LoRARequest
 
 PromptType = str | list[int] | dict
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -59,6 +62,10 @@ class LLMEngine:
         `devices`: with pipeline stages, this replica's tp x pp devices; the first ones when None."""
         t0 = time.perf_counter()
         self.args = args
+        if args.trust_remote_code:
+            log.info("trust_remote_code: accepted for vLLM's commands; jaxserve never runs a model's or a "
+                     "tokenizer's remote code (every architecture it serves is its own)")
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None  # a bad one fails before loading
         if args.compilation_cache_dir:
             # A restart with the same model and shapes then loads its programs instead of compiling.
             jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
@@ -99,6 +106,8 @@ class LLMEngine:
             model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
             if mesh is not None:
                 model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
+        if tokenizer is not None:  # --tokenizer: the model's own (GGUF or directory) is replaced
+            model = dataclasses.replace(model, tokenizer=tokenizer)
         if args.quantization in ON_LOAD_METHODS and model.quantization is None:
             ids = calibration_ids(model.tokenizer, model.config.vocab_size)
             params = quantize_params(model.params, model.config, args.quantization, ids)
@@ -114,7 +123,10 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
-        self.model_name = args.served_model_name or self.model.name
+        self.served_model_names = args.served_model_names or (self.model.name,)
+        self.model_name = self.served_model_names[0]  # what responses and metrics report
+        self.default_sampling_params = generation_defaults(args.generation_config, self.model.path,
+                                                           args.override_generation_config)
         config = EngineConfig.resolve(args, cfg.max_position_embeddings, jax.default_backend())
         # (resolve_backend: the one hook tests use to run the Pallas kernels in interpret mode)
         config = dataclasses.replace(config, attention_backend=resolve_backend(args.attention_backend))
@@ -129,7 +141,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
-        self.runner.warmup(progress)
+        if not args.enforce_eager:  # --enforce-eager: programs compile on first use instead
+            self.runner.warmup(progress)
         self.warmup_seconds = time.perf_counter() - t1
         self.compilations_at_warmup = num_compilations()
         # Everything allocated so far (weights' host copies, JAX, transformers) lives as long as
@@ -253,6 +266,10 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(token_ids)} tokens, but this model's maximum context length is "
                              f"{self.max_model_len} (prompt plus at least one generated token)")
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM's --max-logprobs check
+            num = getattr(params, name)
+            if num is not None and num > self.args.max_logprobs:
+                raise ValueError(f"{name}: {num} requested, more than max_logprobs ({self.args.max_logprobs})")
         if params.use_beam_search:
             raise ValueError("use_beam_search: beam search is not supported yet; use n/best_of sampling")
         if params.best_of > self.args.max_num_seqs:
@@ -381,7 +398,10 @@ class LLMEngine:
                 f"({self.model.quantization or self.args.quantization or 'not quantized'}); KV pool: {self.num_gpu_blocks} blocks of "
                 f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
-                f"swap blocks: {self.num_cpu_blocks}; warm-up compiled in {self.warmup_seconds:.1f}s"
+                f"swap blocks: {self.num_cpu_blocks}; "
+                + ("warm-up skipped (--enforce-eager): programs compile on first use, counted by "
+                   "num_compilations_after_warmup" if self.args.enforce_eager else
+                   f"warm-up compiled in {self.warmup_seconds:.1f}s")
                 + expert_bits.bf16_experts_note(self.model.params) + platform_defaults_note(self.config))
 
 

@@ -69,7 +69,16 @@ class ConfigError(ValueError):
 
 _HELP = {
     "model": "model name, path or GGUF/safetensors directory (default: SmolLM2-135M-Instruct)",
-    "served_model_name": "the name clients pass as `model` (default: the model argument)",
+    "served_model_name": ("the name clients pass as `model` (default: the model argument); several names: a request "
+                          "may use any, responses carry the first"),
+    "tokenizer": "a Hugging Face tokenizer directory (with its chat template) to use instead of the model's",
+    "trust_remote_code": "accepted for vLLM's commands: no remote code is ever run (every architecture is built in)",
+    "enforce_eager": "skip the start-up warm-up: each program compiles the first time a request needs it",
+    "max_logprobs": "the most logprobs / prompt_logprobs a request may ask for (at most 20)",
+    "generation_config": ("auto: the model's generation_config.json sampling defaults (temperature, top_p, top_k, "
+                          "min_p, repetition_penalty, max_new_tokens) apply where a request leaves them unset; "
+                          "vllm: ignore it; or a directory holding a generation_config.json"),
+    "override_generation_config": "JSON, as vLLM: '{\"temperature\": 0.5}' laid over the generation config's defaults",
     "dtype": ("weights' dtype; auto: bfloat16 on accelerators, float32 on CPUs, where on one device of a "
               "CPU with bfloat16 dot instructions (AVX512_BF16, AMX) the projections of a step of 64+ tokens "
               "and the sampler's LM head are bfloat16 dots accumulated in float32 (about 1.3x, perplexity "
@@ -128,11 +137,12 @@ _CHOICES: dict[str, tuple] = {"uvicorn_log_level": ("critical", "error", "warnin
 
 
 def _base_type(annotation: object) -> object:
-    """`int | None` -> int; the flag's value type (a `Literal[...]` stays as it is)."""
+    """`int | None` -> int; the flag's value type (a `Literal[...]` stays as it is). `str | tuple[str, ...]`
+    (--served-model-name, one or several values) -> tuple."""
     if typing.get_origin(annotation) in (Union, types.UnionType):
-        (base,) = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return base
-    return annotation
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = next((a for a in args if a is tuple or typing.get_origin(a) is tuple), args[0])
+    return tuple if typing.get_origin(annotation) is tuple else annotation
 
 
 def _field_types(cls: type) -> dict[str, tuple[type, bool, object]]:
@@ -203,8 +213,8 @@ def _check_value(source: str, name: str, value: object, spec: tuple[type, bool, 
         ok = isinstance(value, bool)
     elif kind in (int, float):
         ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
-    elif kind is tuple and isinstance(value, list):
-        value, ok = tuple(value), True
+    elif kind is tuple and isinstance(value, (list, str)):  # (one string: one value)
+        value, ok = (tuple(value) if isinstance(value, list) else (value,)), True
     else:
         ok = isinstance(value, kind)
     if not ok:

@@ -9,6 +9,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from jaxserve.engine import beam_search
+from jaxserve.engine.beam_search import BeamSearchOutput, BeamSearchParams
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine, PromptType
 from jaxserve.engine.outputs import RequestOutput
@@ -101,7 +102,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
@@ -134,16 +135,47 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def beam_search(self, prompts: Sequence[PromptType], params: SamplingParams | Sequence[SamplingParams]
-                    ) -> list[RequestOutput]:
-        """Beam search (`SamplingParams(use_beam_search=True, beam_width=W, n=N, length_penalty=...)`)."""
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams() with the model's generation config defaults (--generation-config;
+        engine/generation_config.py) laid over; what generate() and chat() use when given none."""
+        return SamplingParams(**getattr(self.llm_engine, "default_sampling_params", {}))
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: BeamSearchParams | SamplingParams | Sequence[SamplingParams],
+                    lora_request: LoRARequest | None = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput] | list[RequestOutput]:
+        """vLLM's form: `beam_search(prompts, BeamSearchParams(beam_width=W, max_tokens=T))` -> one
+        BeamSearchOutput per prompt (`.sequences`: W beams, best first, each `.tokens`, `.text` with the
+        prompt, `.cum_logprob`), `concurrency_limit` prompts searched at a time. The older form,
+        `SamplingParams(use_beam_search=True, beam_width=W, n=N, ...)`, gives RequestOutputs."""
+        if lora_request is not None:
+            raise ValueError("lora_request: not supported with beam search")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(params, BeamSearchParams):
+            return [beam_search.to_output(str(next(self._ids)), text, ids, beams, self._beam_decode(True))
+                    for text, ids, beams in self._beam_rounds(list(prompts), params)]
+        if concurrency_limit is not None and concurrency_limit < 1:
+            raise ValueError(f"concurrency_limit must be >= 1, got {concurrency_limit}")
+        prompts, sp = list(prompts), beam_search.as_sampling_params(params)
+        step = concurrency_limit or max(len(prompts), 1)
+        results = [r for i in range(0, len(prompts), step) for r in self._beam_rounds(prompts[i:i + step], sp, True)]
+        return [beam_search.to_vllm_output(ids, beams, self._beam_decode(False)) for _, ids, beams in results]
+
+    def _beam_decode(self, skip_special_tokens: bool):
+        tok = self.llm_engine.tokenizer
+        return (lambda t: tok.decode(t, skip_special_tokens=skip_special_tokens)) if tok else (lambda t: "")
+
+    def _beam_rounds(self, prompts: list[PromptType], params: SamplingParams | Sequence[SamplingParams],
+                     vllm_score: bool = False) -> list[tuple[str | None, list[int], list[beam_search.Beam]]]:
+        """(prompt text, prompt ids, the best beams) per prompt; every prompt's beams of a round run together."""
         engine = self.llm_engine
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         encoded = [engine.encode_prompt(p) for p in prompts]
         for (_, ids), p in zip(encoded, params):
-            beam_search.check(p)
+            beam_search.check(p, engine.args.max_logprobs)
             engine.validate(ids, dataclasses.replace(p, use_beam_search=False))
-        searches = [beam_search.search(ids, p, engine.max_model_len, engine.eos_token_ids)
+        searches = [beam_search.search(ids, p, engine.max_model_len, engine.eos_token_ids, vllm_score)
                     for (_, ids), p in zip(encoded, params)]
         rounds: dict[int, list[list[int]]] = {}
         results: dict[int, list[beam_search.Beam]] = {}
@@ -164,9 +196,7 @@ class LLM:
                                  use_tqdm=False)
             for i in list(rounds):
                 advance(i, [beam_search.candidates_from(o) for (j, _), o in zip(batch, outs) if j == i])
-        decode = (lambda t: engine.tokenizer.decode(t, skip_special_tokens=True)) if engine.tokenizer else (lambda t: "")
-        return [beam_search.to_output(str(next(self._ids)), text, ids, results[i], decode)
-                for i, (text, ids) in enumerate(encoded)]
+        return [(text, ids, results[i]) for i, (text, ids) in enumerate(encoded)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,

@@ -102,3 +102,21 @@ def _dir_tokenizer(path: Path | None) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_tokenizer(value: str) -> PreTrainedTokenizerBase:
+    """vLLM's --tokenizer: a Hugging Face tokenizer directory, or a hub id already in the local cache
+    (never downloaded); its chat template comes with it. ValueError naming `tokenizer` otherwise."""
+    try:
+        path = resolve_model_path(value)
+    except FileNotFoundError:
+        raise ValueError(f"tokenizer: {value!r} is neither a directory nor a hub id in the local Hugging Face "
+                         "cache (jaxserve never downloads at run time)") from None
+    if not path.is_dir() or not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                  "tokenizer.model", "vocab.json")):
+        raise ValueError(f"tokenizer: {value!r} is not a Hugging Face tokenizer directory (tokenizer.json, "
+                         "tokenizer_config.json, tokenizer.model or vocab.json)")
+    try:
+        return _dir_tokenizer(path)
+    except Exception as exc:  # noqa: BLE001  (transformers raises many kinds for a broken directory)
+        raise ValueError(f"tokenizer: cannot load the tokenizer in {value!r}: {type(exc).__name__}: {exc}") from None

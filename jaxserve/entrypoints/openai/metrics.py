@@ -87,7 +87,8 @@ class _EngineStatsCollector(Collector):
                       stats.spec_num_accepted_tokens)
         yield counter("jaxserve:xla_compilations", "XLA compilations since start-up.", stats.num_compilations)
         yield counter("jaxserve:xla_compilations_after_warmup",
-                      "XLA compilations while serving (each one is a bug).", stats.num_compilations_after_warmup)
+                      "XLA compilations while serving (each one is a bug, unless --enforce-eager skipped the warm-up).",
+                      stats.num_compilations_after_warmup)
         yield gauge("jaxserve:num_gpu_blocks", "KV blocks in the device pool.", stats.num_gpu_blocks)
         yield gauge("jaxserve:num_cpu_blocks", "KV blocks in the host swap pool.", stats.num_cpu_blocks)
         if getattr(stats, "max_lora", 0):  # vLLM's: value = the time, labels = the adapters by name

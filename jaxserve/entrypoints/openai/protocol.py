@@ -106,20 +106,29 @@ class _SamplingFields(StructuredFields, _Request):
     # SamplingParams' names for what this request calls differently.
     ALIASES: ClassVar[dict[str, str]] = {}
 
-    def to_sampling_params(self, max_tokens: int, **overrides: object) -> SamplingParams:
-        """The engine parameters; ValueError names the request's field (see errors.from_value_error)."""
+    def to_sampling_params(self, max_tokens: int, defaults: dict[str, object] | None = None,
+                           **overrides: object) -> SamplingParams:
+        """The engine parameters; ValueError names the request's field (see errors.from_value_error).
+        `defaults`: the generation config's (engine/generation_config.py), for the sampling fields the
+        request leaves unset (null or absent), as vLLM's to_sampling_params; else vLLM's own defaults."""
+        defaults = defaults or {}
+
+        def pick(name: str, builtin: object) -> object:
+            value = getattr(self, name)
+            return defaults.get(name, builtin) if value is None else value
+
         kwargs: dict[str, object] = dict(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0), seed=self.seed, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0, repetition_penalty=pick("repetition_penalty", 1.0),
             stop=self.stop, stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, logit_bias=self.token_logit_bias(),
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
         kwargs.update(overrides)
+        if kwargs.get("use_beam_search") and self.temperature is None:
+            kwargs["temperature"] = 1.0  # beam search does not sample: a default temperature does not apply
         if "structured_outputs" not in kwargs:
             kwargs["structured_outputs"] = self.structured_params()
         try:

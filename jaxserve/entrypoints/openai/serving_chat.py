@@ -111,6 +111,7 @@ class ServingChat(BaseServing):
         self.check_num_sequences(req.n, None)
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
         if req.chat_template is not None and not self.trust_request_chat_template:
             raise OpenAIError("chat_template: a request may only pass a chat template when the server runs with "
                               "--trust-request-chat-template", param="chat_template", code="chat_template_not_allowed")
@@ -138,7 +139,8 @@ class ServingChat(BaseServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, prompt_param="messages",
                                              max_tokens_param="max_completion_tokens")
         self.check_token_ids(list(req.token_logit_bias() or {}), "logit_bias")
-        params = req.to_sampling_params(max_tokens, logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        params = req.to_sampling_params(max_tokens, self.default_sampling_params,
+                                        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                                         structured_outputs=req.structured_params(forced_tool_schema(req)))
         self.check_overload()
         request_id = random_id("chatcmpl")
@@ -193,12 +195,12 @@ class ServingChat(BaseServing):
         num_generated = sum(len(out.token_ids) for out in final.outputs[:req.n])
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
-        return ChatCompletionResponse(id=request_id, model=req.model or self.engine.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                       usage=usage)
 
     async def _events(self, req: ChatCompletionRequest, request_id: str, num_prompt: int,
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        model = req.model or self.engine.model_name  # an adapter answers under its own name (vLLM)
+        model = self.response_model(req.model)  # an adapter answers under its own name (vLLM)
 
         def chunk(choice: ChatStreamChoice) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))

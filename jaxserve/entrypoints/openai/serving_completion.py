@@ -24,6 +24,7 @@ class ServingCompletion(BaseServing):
     async def create(self, req: CompletionRequest, request: Request) -> Response:
         lora = self.check_model(req.model)
         self.check_num_sequences(req.n, req.best_of)
+        self.check_logprobs(req.logprobs, "logprobs")
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         if req.stream and req.best_of is not None and req.best_of != req.n:
@@ -40,7 +41,8 @@ class ServingCompletion(BaseServing):
         for i, (_, ids) in enumerate(prompts):
             max_tokens = max_tokens_each[i]
             params = req.to_sampling_params(
-                max_tokens, best_of=req.best_of, logprobs=req.logprobs, structured_outputs=structured,
+                max_tokens, self.default_sampling_params, best_of=req.best_of, logprobs=req.logprobs,
+                structured_outputs=structured,
                 prompt_logprobs=req.logprobs if want_prompt_logprobs else None,
                 use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
             streams.append(self.stream(ids, params, f"{request_id}-{i}", prompt_logprobs=want_prompt_logprobs,
@@ -117,14 +119,14 @@ class ServingCompletion(BaseServing):
         num_prompt = sum(len(ids) for _, ids in prompts)
         usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                           total_tokens=num_prompt + num_generated)
-        return CompletionResponse(id=request_id, model=req.model or self.engine.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(req.model), choices=choices,
                                   usage=usage)
 
     async def _events(self, req: CompletionRequest, request_id: str, prompts: list[tuple[str, list[int]]],
                       merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         sent_text: dict[int, int] = {}  # choice index -> characters sent
         sent_tokens: dict[int, int] = {}
-        model = req.model or self.engine.model_name  # an adapter answers under its own name (vLLM)
+        model = self.response_model(req.model)  # an adapter answers under its own name (vLLM)
         num_prompt = sum(len(ids) for _, ids in prompts)
         async for p, output in merged:
             prompt_text, prompt_ids = prompts[p]

@@ -17,7 +17,7 @@ import anyio
 from pydantic import BaseModel
 
 from jaxserve.engine.outputs import LogprobsDict, RequestOutput
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxserve.entrypoints.openai.engine_client import EngineClient
 from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
 from jaxserve.entrypoints.openai.errors import OpenAIError, from_server_fault
@@ -65,12 +65,18 @@ class BaseServing:
         self.metrics = metrics
         self.tokenizer = engine.tokenizer
         self.vocab_size = len(engine.tokenizer)
+        # --served-model-name's names (the first is reported), the generation config's defaults for
+        # what a request leaves unset (engine/generation_config.py), --max-logprobs
+        self.served_model_names: tuple[str, ...] = tuple(getattr(engine, "served_model_names", None)
+                                                         or (engine.model_name,))
+        self.default_sampling_params: dict[str, object] = dict(getattr(engine, "default_sampling_params", None) or {})
+        self.max_logprobs: int = getattr(engine, "max_logprobs", MAX_LOGPROBS)
 
     # --- request checks ----------------------------------------------------------------------
 
     def check_model(self, model: str | None):
         """The LoRARequest `model` names (None: the base model), or a 404 for a model not served."""
-        if model is None or model == self.engine.model_name:
+        if model is None or model in self.served_model_names:
             return None
         manager = getattr(self.engine, "lora_manager", None)
         lora = manager.resolve(model) if manager is not None else None
@@ -78,6 +84,17 @@ class BaseServing:
             raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
                               code="model_not_found")
         return lora
+
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response carries, as vLLM: the first served name for the base model (whichever
+        of its names the request used), an adapter's own name for an adapter."""
+        return self.engine.model_name if model is None or model in self.served_model_names else model
+
+    def check_logprobs(self, num: int | None, param: str) -> None:
+        """A 400 when a request asks for more logprobs than --max-logprobs (vLLM's check)."""
+        if num is not None and num > self.max_logprobs:
+            raise OpenAIError(f"{param} must be <= {self.max_logprobs} (--max-logprobs), got {num}", param=param,
+                              code="invalid_value")
 
     def check_num_sequences(self, n: int, best_of: int | None) -> None:
         """A 400 when a request asks for more parallel samples than --max-n-sequences."""
@@ -115,8 +132,9 @@ class BaseServing:
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
                 f"{num_prompt_tokens} tokens, which leaves no room for a completion. Please shorten the prompt.",
                 param=prompt_param, code="context_length_exceeded")
-        if max_tokens is None:
-            return limit - num_prompt_tokens
+        if max_tokens is None:  # the generation config's max_new_tokens, a default and not a ceiling (vLLM)
+            default = self.default_sampling_params.get("max_tokens")
+            return limit - num_prompt_tokens if default is None else min(int(default), limit - num_prompt_tokens)
         if max_tokens >= 1 and num_prompt_tokens + max_tokens > limit:
             raise OpenAIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "

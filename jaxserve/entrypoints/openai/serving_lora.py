@@ -63,8 +63,14 @@ def register_lora_modules(engine, modules: tuple[str, ...] | None) -> list[LoRAR
     return served
 
 
+def served_names(engine) -> tuple[str, ...]:
+    """Every name the base model answers to (--served-model-name a b: both; the first is reported)."""
+    return tuple(getattr(engine, "served_model_names", None) or (engine.model_name,))
+
+
 def model_cards(engine) -> list[p.ModelCard]:
-    cards = [p.ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)]
+    cards = [p.ModelCard(id=name, root=engine.model_name, max_model_len=engine.max_model_len)
+             for name in served_names(engine)]  # one card per --served-model-name, as vLLM
     manager = lora_manager(engine)
     for lora in manager.served() if manager is not None else []:
         cards.append(p.ModelCard(id=lora.lora_name, root=lora.lora_path,
@@ -89,7 +95,7 @@ def lora_routes(engine, read_json, endpoint, max_body_bytes: int) -> list[Route]
         if not req.lora_name or not req.lora_path:
             raise OpenAIError("Both 'lora_name' and 'lora_path' must be provided.", param="lora_name")
         manager = manager_or_400()
-        if manager.resolve(req.lora_name) is not None or req.lora_name == engine.model_name:
+        if manager.resolve(req.lora_name) is not None or req.lora_name in served_names(engine):
             raise OpenAIError(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
         lora = LoRARequest(req.lora_name, manager.next_id(), req.lora_path)
         await anyio.to_thread.run_sync(manager.register, lora)  # reads the files off the event loop
