@@ -9,6 +9,7 @@ import json
 import threading
 import time
 
+import jsonschema
 import llguidance.numpy as llnp
 import numpy as np
 import pytest
@@ -154,3 +155,72 @@ def test_reference_unpacking_matches_llguidance(manager):
     logits = np.zeros((1, VOCAB), np.float32)
     llnp.apply_token_bitmask_inplace(logits, bitmask)
     assert set(np.flatnonzero(np.isfinite(logits[0])).tolist()) == allowed(bitmask[0])
+
+
+# ---- JSON schemas as vLLM's default backend reads them (xgrammar, strict mode) -------------------------
+# The expectations are xgrammar's documented strict mode ("will not allow properties and items that
+# is not specified in the schema ... equivalent to setting unevaluatedProperties and unevaluatedItems
+# to false"), checked against `jsonschema` so each case shows where the grammar is stricter than JSON
+# Schema, and vLLM's documented whitespace (free by default, xgrammar's `[ \n\t]*`;
+# disable_any_whitespace: "compact without any whitespace").
+def city_schema(**extra: object) -> dict:
+    from pydantic import BaseModel
+
+    class City(BaseModel):  # instructor's JSON_SCHEMA mode sends this schema (no additionalProperties)
+        name: str
+        country: str
+        population_millions: float
+
+    return {**City.model_json_schema(), **extra}
+
+
+PARIS = '{"name":"Paris","country":"France","population_millions":2.1'
+ITEM = {"type": "object", "properties": {"x": {"type": "integer"}}}
+NESTED = {"$defs": {"P": ITEM}, "type": "object",
+          "properties": {"p": {"$ref": "#/$defs/P"}, "l": {"type": "array", "items": {"$ref": "#/$defs/P"}}}}
+PAIR = {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string"}]}
+STRICT_CASES = [  # (schema, text, the grammar accepts it)
+    (city_schema(), PARIS + "}", True),
+    (city_schema(), PARIS + ',"description":"A city"}', False),  # the key instructor's City came back with
+    (city_schema(additionalProperties=True), PARIS + ',"description":"A city"}', True),
+    (city_schema(additionalProperties={"type": "string"}), PARIS + ',"description":"A city"}', True),
+    (city_schema(additionalProperties={"type": "string"}), PARIS + ',"rank":1}', False),
+    (NESTED, '{"p":{"x":1},"l":[{"x":2}]}', True),
+    (NESTED, '{"p":{"x":1,"y":2}}', False),  # under a $ref
+    (NESTED, '{"l":[{"x":2,"y":3}]}', False),  # in an array's items
+    (PAIR, '[1,"a"]', True),
+    (PAIR, '[1,"a",2]', False),  # nothing beyond prefixItems
+    ({**PAIR, "items": {"type": "integer"}}, '[1,"a",2]', True),
+    ({"type": "array"}, "[]", True),
+    ({"type": "array"}, "[1]", False),
+    ({"type": "object"}, "{}", True),
+    ({"type": "object"}, '{"a":1}', False),
+    ({"type": "object", "additionalProperties": True}, '{"a":{"b":[1]}}', True),
+]
+
+
+def accepts(manager: StructuredOutputManager, so: StructuredOutputsParams, text: str) -> bool:
+    matcher = manager.compile(so).result(timeout=60).deep_copy()
+    tokens = manager.ll_tokenizer().tokenize_str(text)
+    return matcher.try_consume_tokens(tokens) == len(tokens) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("schema,text,expected", STRICT_CASES)
+def test_json_schema_forbids_what_it_does_not_name(manager, schema, text, expected):
+    if expected:
+        jsonschema.validate(json.loads(text), schema)
+    assert accepts(manager, StructuredOutputsParams(json=schema), text) is expected
+    if not expected and "A city" in text:  # JSON Schema itself allows the extra key: the grammar is stricter
+        jsonschema.validate(json.loads(text), city_schema())
+
+
+def test_json_object_and_whitespace_as_xgrammar(manager):
+    loose = '{\n  "name": "Paris",\n\t"country": "France",\n  "population_millions": 2.1\n}'
+    assert accepts(manager, StructuredOutputsParams(json=city_schema()), loose)  # vLLM's default: free whitespace
+    assert not accepts(manager, StructuredOutputsParams(json=city_schema()), PARIS.replace(",", ",\r") + "}")
+    compact = StructuredOutputsParams(json=city_schema(), disable_any_whitespace=True)
+    assert accepts(manager, compact, PARIS + "}")
+    assert not accepts(manager, compact, '{"name": "Paris", "country": "France", "population_millions": 2.1}')
+    assert not accepts(manager, compact, loose)
+    assert accepts(manager, StructuredOutputsParams(json_object=True), '{"a": {"b": [1, 2]}, "c": null}')
+    assert StructuredOutputsParams(json={}).disable_any_whitespace is False  # vLLM's default

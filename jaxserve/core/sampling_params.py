@@ -34,8 +34,8 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # Compact JSON: no whitespace between tokens (the default here, see structured_output.py).
-    disable_any_whitespace: bool = True
+    # vLLM's: False (its default) lets whitespace go between JSON tokens; True allows none.
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]

@@ -22,12 +22,21 @@ Data flow (vLLM V1's, in this project's words):
 precomputed row ANDed in; a bad word's last token is cleared where the output ends with the
 word's other tokens (vLLM's rule; each word as written and with a leading space).
 
-JSON is compact by default (`disable_any_whitespace`): free whitespace lets a small model loop
-on newlines until max_tokens, and compact JSON parses the same. Pure Python + numpy; no JAX.
+JSON schemas read as vLLM's default backend (xgrammar) reads them, in its strict mode: an object
+schema that does not say `additionalProperties` (or `unevaluatedProperties`) gets no keys beyond
+its `properties`, an array schema without `items` no items beyond its `prefixItems` (a bare
+{"type": "object"} is `{}`, {"type": "array"} is `[]`); `strict_json_schema` writes that into the
+schema, because llguidance follows JSON Schema (extra keys allowed) and has no option for it (vLLM's
+`guidance` backend does the same for `disable_additional_properties`). Whitespace as vLLM's default:
+free (`[ \n\t]*`, xgrammar's) between tokens; `disable_any_whitespace=True` allows none (vLLM's
+documented meaning; a small model given free whitespace may loop on newlines until max_tokens).
+`json_object` stays any JSON object (OpenAI's meaning).
+Pure Python + numpy; no JAX.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import threading
@@ -55,6 +64,53 @@ def grammar_limits() -> llguidance.LLParserLimits:
     return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
+# vLLM's default lets whitespace go between JSON tokens: xgrammar's any_whitespace is `[ \n\t]*`
+# (llguidance's own flexible default adds \r). disable_any_whitespace: "compact without any
+# whitespace" (vLLM's docs; its guidance backend emits exactly that).
+FLEXIBLE_JSON = {"whitespace_pattern": r"[\x20\x0A\x09]+"}
+COMPACT_JSON = {"whitespace_flexible": False}
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+_SUBSCHEMAS = ("additionalProperties", "unevaluatedProperties", "propertyNames", "items", "prefixItems",
+               "additionalItems", "unevaluatedItems", "contains", "not", "if", "then", "else",
+               "allOf", "anyOf", "oneOf")
+
+
+def strict_json_schema(schema: dict | bool) -> dict | bool:
+    """A copy of `schema` in which every object and array schema that leaves extra properties or
+    items unsaid forbids them (xgrammar's strict mode, vLLM's default); explicit ones are kept."""
+    schema = copy.deepcopy(schema)
+    _forbid_unnamed(schema)
+    return schema
+
+
+def _forbid_unnamed(node: object) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _forbid_unnamed(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for sub in node[key].values():
+                _forbid_unnamed(sub)
+    for key in _SUBSCHEMAS:
+        _forbid_unnamed(node.get(key))
+    if "const" in node or "enum" in node:  # the value is given: nothing to generate
+        return
+    kind = node.get("type")
+    types = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+    # Untyped schemas are read by their keywords, as xgrammar does.
+    if (types is None and ("properties" in node or "patternProperties" in node)) or (types and "object" in types):
+        if "additionalProperties" not in node and "unevaluatedProperties" not in node:
+            node["additionalProperties"] = False
+    if (types is None and ("prefixItems" in node or "items" in node)) or (types and "array" in types):
+        if isinstance(node.get("items"), list):  # draft 7's tuple form: extra items are additionalItems
+            node.setdefault("additionalItems", False)
+        elif not any(k in node for k in ("items", "additionalItems", "unevaluatedItems")):
+            node["items"] = False
+
+
 def grammar_spec(so: StructuredOutputsParams) -> str:
     """The llguidance grammar (its JSON form) for one request's constraint; ValueError on bad JSON."""
     kind = so.kind
@@ -67,7 +123,9 @@ def grammar_spec(so: StructuredOutputsParams) -> str:
                 raise ValueError(f"structured_outputs.json: not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("structured_outputs.json: a JSON schema must be an object")
-        options = {"whitespace_flexible": not so.disable_any_whitespace}
+        if kind == "json":
+            schema = strict_json_schema(schema)
+        options = COMPACT_JSON if so.disable_any_whitespace else FLEXIBLE_JSON
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as exc:

@@ -44,7 +44,7 @@ class StructuredOutputsRequest(_Part):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    disable_any_whitespace: bool = True
+    disable_any_whitespace: bool = False
 
 
 class FunctionDefinition(_Part):
