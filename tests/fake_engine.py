@@ -182,6 +182,10 @@ class FakeAsyncLLM:
     def num_queued(self) -> int:
         return len(self.queued)
 
+    def num_waiting_beyond_capacity(self) -> int:
+        """The fake has no running slots of its own: every request without an output yet waits."""
+        return len(self.queued)
+
     def get_stats(self) -> EngineStats:
         capacity = self.num_gpu_blocks * self.block_size
         used = sum(self.running.values())

@@ -3,7 +3,7 @@ behind the OpenAI app over real HTTP: client disconnects free their blocks withi
 tells the truth under load, a step that fails for one request's input ends that request alone,
 and an exception inside a step (the engine's `fault_hook`) kills the engine: every open request
 ends with an error (a 500 body, or an SSE error event then [DONE]), /health and new requests get
-503. Last, `jaxserve serve` itself: SIGTERM during a stream ends it ("abort") and exits 0 in seconds."""
+503; --max-num-queued-reqs refuses only what waits beyond the free slots. Last, `jaxserve serve` itself: SIGTERM during a stream ends it ("abort") and exits 0 in seconds."""
 
 from __future__ import annotations
 
@@ -148,6 +148,48 @@ def test_a_step_failing_for_one_request_ends_it_alone(served) -> None:
     assert len(other.outputs[0].token_ids) == 20 and other.outputs[0].finish_reason == "length"
     assert not engine.errored and _idle(engine)
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_overload_refuses_only_beyond_the_free_slots_and_the_queue(served) -> None:
+    """--max-num-queued-reqs 2 with 2 of the 4 slots busy: a burst of 12 gets exactly 4 answers (2 run
+    at once, 2 wait) and 8 OpenAI-shaped 503s; a request admitted before is not counted as waiting
+    just because the engine thread has not scheduled it yet."""
+    from jaxserve.entrypoints.openai.api_server import build_app
+
+    _, engine = served
+    assert engine.max_num_seqs == TINY["max_num_seqs"] == 4
+
+    async def burst(url: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            async def busy() -> None:  # holds a slot until cancelled
+                async with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+                    async for _ in r.aiter_lines():
+                        pass
+
+            holders = [asyncio.ensure_future(busy()) for _ in range(2)]
+            deadline = time.monotonic() + 30
+            while engine.get_stats().num_running < 2:
+                assert time.monotonic() < deadline and not any(h.done() for h in holders)
+                await asyncio.sleep(0.01)
+            body = {**LONG, "max_tokens": 48}
+            responses = await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(12)))
+            for h in holders:
+                h.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+            return responses
+
+    with serve_in_thread(build_app(engine, max_num_queued_reqs=2)) as url:
+        responses = asyncio.run(burst(url))
+    codes = sorted(r.status_code for r in responses)
+    assert codes == [200] * 4 + [503] * 8, codes
+    for r in responses:
+        if r.status_code == 200:
+            assert r.json()["choices"][0]["finish_reason"] == "length"
+        else:
+            error = r.json()["error"]
+            assert set(r.json()) == {"error"} and set(error) == {"message", "type", "param", "code"}, r.text
+            assert error["code"] == "server_overloaded" and "2 requests are already waiting" in error["message"]
+    _wait(lambda: _idle(engine), 10.0, "not idle after the burst")
 
 
 def test_an_exception_in_a_step_kills_the_engine_and_every_request_ends(served) -> None:

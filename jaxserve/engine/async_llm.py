@@ -52,6 +52,8 @@ class AsyncLLM:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._queued: set[str] = set()  # (event loop's thread) requests without an output yet
+        self._extra_seqs: dict[str, int] = {}  # (event loop's thread) best_of - 1 of requests sampling several
+        self.max_num_seqs = engine.args.max_num_seqs
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._stats = engine.get_stats()
@@ -96,6 +98,8 @@ class AsyncLLM:
                 raise self.dead_error
             self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._queued.add(request_id)
+        if (sampling_params.best_of or 1) > 1:  # each sample takes a running slot
+            self._extra_seqs[request_id] = sampling_params.best_of - 1
         self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params,
                     lora_request))
         finished = False
@@ -112,6 +116,7 @@ class AsyncLLM:
                 self._post(("abort", request_id))
             self._streams.pop(request_id, None)
             self._queued.discard(request_id)
+            self._extra_seqs.pop(request_id, None)
 
     async def _beam_search(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Rounds of one-token requests per live beam (see beam_search.py); one final output."""
@@ -153,6 +158,12 @@ class AsyncLLM:
     def num_queued(self) -> int:
         """Requests accepted that have no output yet (waiting to be scheduled, or in their prefill)."""
         return len(self._queued)
+
+    def num_waiting_beyond_capacity(self) -> int:
+        """Sequences accepted and unfinished beyond what the running slots (--max-num-seqs) take: what
+        --max-num-queued-reqs bounds. Counted here at the front, not from the engine's last step, so
+        each request of a burst sees the ones before it (a request sampling n takes n slots)."""
+        return max(0, len(self._streams) + sum(self._extra_seqs.values()) - self.max_num_seqs)
 
     def get_stats(self) -> EngineStats:
         return self._stats
@@ -280,6 +291,11 @@ class DataParallelAsyncLLM:
 
     def num_queued(self) -> int:
         return sum(r.num_queued() for r in self.replicas)
+
+    def num_waiting_beyond_capacity(self) -> int:
+        """What waits beyond each replica's own slots, summed (a free slot on one replica does not run
+        another's queue, but the router sends new requests to the least loaded)."""
+        return sum(r.num_waiting_beyond_capacity() for r in self.replicas)
 
     def get_stats(self) -> EngineStats:
         """Counts and counters summed over replicas; cache usage averaged, weighted by pool size."""

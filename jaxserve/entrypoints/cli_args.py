@@ -34,7 +34,7 @@ class ServerArgs:
     max_request_header_bytes: int = 64 * 1024  # larger request headers get a 431
     max_n_sequences: int = 16384  # n / best_of above it: a 400 (vLLM's VLLM_MAX_N_SEQUENCES default)
     shutdown_timeout: float = 0.0  # seconds in-flight requests get after SIGTERM/SIGINT, then abort (vLLM's)
-    max_num_queued_reqs: int | None = None  # past this many waiting requests a new one is a 503 (None: no cap)
+    max_num_queued_reqs: int | None = None  # this many waiting beyond the free slots: a new one is a 503 (None: no cap)
     uvicorn_log_level: str = "info"
     trust_request_chat_template: bool = False  # else a request's chat_template is a 400 (vLLM's advisory)
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls with tool_call_parser
@@ -119,7 +119,8 @@ _HELP = {
     "max_n_sequences": "most parallel samples (n, best_of) one request may ask for; more is a 400",
     "shutdown_timeout": ("seconds in-flight requests may take to finish after SIGTERM/SIGINT (new ones get 503); "
                          "then what is left is aborted (finish_reason abort) and the server exits 0"),
-    "max_num_queued_reqs": "requests waiting to start beyond which a new one gets a 503 at once (None: no cap)",
+    "max_num_queued_reqs": ("when this many requests already wait beyond the free --max-num-seqs slots, a new "
+                            "one gets a 503 at once (None: no cap)"),
     "trust_request_chat_template": "render a chat_template sent in a request (off: such a request is a 400)",
     "enable_auto_tool_choice": "tool_choice auto: parse tool calls from the model's text (needs --tool-call-parser)",
     "tool_call_parser": "the model's tool-call format for tool_choice auto",

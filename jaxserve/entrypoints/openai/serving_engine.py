@@ -104,11 +104,13 @@ class BaseServing:
                                   param=param, code="invalid_value")
 
     def check_overload(self) -> None:
-        """A 503 at once when --max-num-queued-reqs requests already wait to start (after the
-        request's own checks, before any work is queued)."""
+        """A 503 at once when --max-num-queued-reqs requests already wait beyond what the running
+        slots (--max-num-seqs) take (after the request's own checks, before any work is queued): a
+        burst into 2 free slots with a limit of 2 gets 4 answers. No await lies between this check
+        and the engine registering the request, so each request of a burst counts the ones before it."""
         limit = self.max_num_queued_reqs
-        num_queued = getattr(self.engine, "num_queued", None)
-        if limit is not None and callable(num_queued) and num_queued() >= limit:
+        waiting = getattr(self.engine, "num_waiting_beyond_capacity", None)
+        if limit is not None and callable(waiting) and waiting() >= limit:
             raise OpenAIError(f"The server is overloaded: {limit} requests are already waiting; retry later",
                               status=503, code="server_overloaded")
 
