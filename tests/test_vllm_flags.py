@@ -10,6 +10,7 @@ costs seconds, not the minutes of a bucket warm-up on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -19,6 +20,8 @@ import pytest
 
 from jaxserve import LLM, BeamSearchParams, SamplingParams
 from jaxserve.engine.args import EngineArgs
+from jaxserve.engine.async_llm import AsyncLLM
+from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.generation_config import generation_defaults
 from jaxserve.entrypoints.cli_args import add_serve_args, resolve
 from jaxserve.entrypoints.openai.api_server import build_app
@@ -157,6 +160,9 @@ def test_openai_requests_take_defaults_and_names() -> None:
         http.post("/v1/completions", json={"model": "first", "prompt": "hello"})
         assert (engine.seen[-1].temperature, engine.seen[-1].max_tokens) == (0.6, 16)  # completions' default 16
         assert http.post("/v1/completions", json={"model": "third", "prompt": "hello"}).status_code == 404
+        http.post("/v1/chat/completions", json={**chat, "use_beam_search": True, "n": 2, "length_penalty": 0.5})
+        p = engine.seen[-1]  # vLLM's chat beam search: n beams
+        assert (p.use_beam_search, p.beam_width, p.n, p.length_penalty, p.temperature) == (True, 2, 2, 0.5, 1.0)
         r = http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 6})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
         r = http.post("/v1/completions", json={"prompt": "hello", "logprobs": 6})
@@ -234,3 +240,15 @@ def test_beam_search_params_match_transformers(eager_default, hf_default_model) 
     assert [o.token_ids for o in old.outputs] == [s.tokens[len(ids):] for s in result.sequences]  # the old form
     with pytest.raises(ValueError, match="^beam_width"):
         llm.beam_search([PROMPTS[3]], BeamSearchParams(beam_width=11, max_tokens=2))
+    # The server's path (AsyncLLM, behind use_beam_search on /v1/completions and /v1/chat/completions).
+    server = AsyncLLM(llm.llm_engine)  # its thread owns the engine from here on: the fixture's last use
+
+    async def run() -> RequestOutput:
+        params = SamplingParams(use_beam_search=True, n=3, max_tokens=6, ignore_eos=True, length_penalty=0.0)
+        return [out async for out in server.generate(ids, params, "beam")][-1]
+
+    try:
+        final = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert [o.token_ids for o in final.outputs] == [s.tokens[len(ids):] for s in result.sequences]

@@ -121,7 +121,7 @@ class AsyncLLM:
     async def _beam_search(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Rounds of one-token requests per live beam (see beam_search.py); one final output."""
         text, ids = self.engine.encode_prompt(prompt)
-        beam_search.check(params)
+        beam_search.check(params, self.max_logprobs)
         self.engine.validate(ids, dataclasses.replace(params, use_beam_search=False))
         step = beam_search.step_params(params, beam_search.width_of(params))
         search = beam_search.search(ids, params, self.max_model_len, self.engine.eos_token_ids)

@@ -169,3 +169,5 @@ def check(params: SamplingParams, max_logprobs: int = MAX_LOGPROBS) -> None:
                          f"{max_logprobs}), got {width_of(params)}")
     if params.n > width_of(params):
         raise ValueError(f"n: must be <= beam_width ({width_of(params)}) with beam search")
+    if params.structured_outputs is not None:  # the one-token rounds could not keep to it
+        raise ValueError("structured_outputs: not supported with beam search")

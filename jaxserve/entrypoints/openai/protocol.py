@@ -186,6 +186,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    use_beam_search: bool = False  # vLLM's: n beams (beam_width = n), ranked with length_penalty
+    length_penalty: float = 1.0
     REFUSED: ClassVar[dict[str, str]] = {**REFUSED_FIELDS, "prompt_logprobs": "prompt logprobs are not "
                                          "supported on chat; use /v1/completions with echo and logprobs"}
     ALIASES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs", "max_tokens": "max_completion_tokens"}

@@ -141,7 +141,8 @@ class ServingChat(BaseServing):
         self.check_token_ids(list(req.token_logit_bias() or {}), "logit_bias")
         params = req.to_sampling_params(max_tokens, self.default_sampling_params,
                                         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                                        structured_outputs=req.structured_params(forced_tool_schema(req)))
+                                        structured_outputs=req.structured_params(forced_tool_schema(req)),
+                                        use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
         self.check_overload()
         request_id = random_id("chatcmpl")
         streams = [self.stream(prompt_ids, params, request_id, lora_request=lora)]
