@@ -1,4 +1,5 @@
-"""PEFT adapters on the default model (SmolLM2-135M) and transformers + peft's greedy tokens for them.
+"""PEFT adapters on the default model (SmolLM2-135M) and transformers + peft's greedy tokens for them,
+with the logprob of each token (tests/logprob_parity.py).
 
 Shared by tests/test_lora.py and tests/lora_tp_worker.py (the TP 2 subprocess, which reads the
 references from a JSON file instead of running torch again)."""
@@ -35,16 +36,25 @@ def greedy(model, tokenizer, prompts: list[str], num_tokens: int) -> list[list[i
     return gen[:, width:].tolist()
 
 
+def logprobs_of(model, prompt_ids: list[list[int]], tokens: list[list[int]]) -> list[list[float]]:
+    from tests.logprob_parity import reference_logprobs
+
+    return [reference_logprobs(model, p, t) for p, t in zip(prompt_ids, tokens)]
+
+
 def make_adapters(hf_model, tokenizer, root: Path) -> dict:
-    """Save each adapter under root/name (peft's save_pretrained) and return
-    {"base": tokens, name: {"path", "tokens"}} with transformers + peft's greedy tokens."""
+    """Save each adapter under root/name (peft's save_pretrained) and return {"base": tokens,
+    "base_logprobs": their logprobs, "prompt_ids", name: {"path", "tokens", "logprobs"}} with
+    transformers + peft's greedy tokens and their float32 logprobs."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    refs: dict = {"base": greedy(hf_model, tokenizer, LORA_PROMPTS, NUM_TOKENS),
-                  "prompt_ids": [tokenizer.encode(p) for p in LORA_PROMPTS]}
+    prompt_ids = [tokenizer.encode(p) for p in LORA_PROMPTS]
+    base = greedy(hf_model, tokenizer, LORA_PROMPTS, NUM_TOKENS)
+    refs: dict = {"base": base, "base_logprobs": logprobs_of(hf_model, prompt_ids, base), "prompt_ids": prompt_ids}
     for k, (name, kwargs) in enumerate(ADAPTERS.items()):
         model = copy.deepcopy(hf_model)
+        torch.manual_seed(k)  # A's init (peft's) draws from the global generator: the same adapters whatever ran before
         peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, bias="none", task_type="CAUSAL_LM", **kwargs))
         gen = torch.Generator().manual_seed(100 + k)
         with torch.no_grad():
@@ -53,7 +63,8 @@ def make_adapters(hf_model, tokenizer, root: Path) -> dict:
                     p.copy_(torch.randn(p.shape, generator=gen) * B_STD)
         path = root / name
         peft_model.save_pretrained(str(path))
-        refs[name] = {"path": str(path), "tokens": greedy(peft_model.eval(), tokenizer, LORA_PROMPTS, NUM_TOKENS)}
+        tokens = greedy(peft_model.eval(), tokenizer, LORA_PROMPTS, NUM_TOKENS)
+        refs[name] = {"path": str(path), "tokens": tokens, "logprobs": logprobs_of(peft_model, prompt_ids, tokens)}
         del peft_model, model
     return refs
 

@@ -1,7 +1,8 @@
 """Multi-LoRA on the default model (SmolLM2-135M) against transformers + peft in float32.
 
 Adapters are made by peft (random B, several ranks and target sets, one with rslora) and
-saved with save_pretrained; jaxserve's greedy tokens must equal peft's, each adapter alone
+saved with save_pretrained; jaxserve's greedy tokens must equal peft's, and each token's logprob
+be within 1e-4 of peft's float32 one (tests/logprob_parity.py), each adapter alone
 and all mixed in one batch with base-model requests, with more adapters in flight than
 --max-loras (and than --max-cpu-loras), offline and over HTTP (a real uvicorn server and the
 openai client), with runtime load / use / unload. One engine for the module; its step
@@ -21,11 +22,13 @@ import pytest
 
 from jaxserve import LLM, LoRARequest, SamplingParams
 from tests.conftest import ENGINE
+from tests.logprob_parity import assert_logprobs_close, generated_logprobs
 from tests.lora_helpers import ADAPTERS, NUM_TOKENS, make_adapters
 
 # the exact float32 configuration (conftest's ENGINE, no n-gram drafts), 3 slots of rank 16, 3 host copies
 LORA_ENGINE = dict(ENGINE, speculative_config={}, enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=3)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+# ignore_eos: peft's reference generates past EOS (conftest's hf_default_model), always NUM_TOKENS tokens
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
 IDS = {name: i + 1 for i, name in enumerate(ADAPTERS)}
 
 
@@ -56,12 +59,18 @@ def test_every_adapter_changes_the_output(refs):
         assert refs[name]["tokens"] != refs["base"], name
 
 
+def _logprobs(outs) -> list[list[float]]:
+    return [generated_logprobs(o.outputs[0]) for o in outs]
+
+
 def test_each_adapter_alone_matches_peft(llm, refs):
     outs = llm.generate(_prompts(refs), GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == refs["base"]
+    assert_logprobs_close(_logprobs(outs), refs["base_logprobs"], what="base")
     for name in ADAPTERS:
         outs = llm.generate(_prompts(refs), GREEDY, use_tqdm=False, lora_request=_lora(refs, name))
         assert [o.outputs[0].token_ids for o in outs] == refs[name]["tokens"], name
+        assert_logprobs_close(_logprobs(outs), refs[name]["logprobs"], what=name)
     assert _compilations_after_warmup(llm) == 0
 
 
@@ -69,14 +78,17 @@ def test_each_adapter_alone_matches_peft(llm, refs):
 def test_mixed_batch_with_base_requests_matches_peft(llm, refs, names):
     """Adapters and the base model in one generate call; "more": 4 adapters over 3 slots and 3 host
     copies, so requests wait for a slot and an evicted adapter is read again."""
-    prompts, loras, want = [], [], []
+    prompts, loras, want, want_logprobs = [], [], [], []
     for name in [None] + names:
-        for p, ids in zip(_prompts(refs), refs["base"] if name is None else refs[name]["tokens"]):
+        ref = {"tokens": refs["base"], "logprobs": refs["base_logprobs"]} if name is None else refs[name]
+        for p, ids, lps in zip(_prompts(refs), ref["tokens"], ref["logprobs"]):
             prompts.append(p)
             loras.append(None if name is None else _lora(refs, name))
             want.append(ids)
+            want_logprobs.append(lps)
     outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in outs] == want
+    assert_logprobs_close(_logprobs(outs), want_logprobs, what="mixed batch")
     assert _compilations_after_warmup(llm) == 0
 
 
@@ -137,7 +149,8 @@ def _client(url: str):
 
 
 def _complete(url: str, model: str, ids: list[int]) -> str:
-    r = _client(url).completions.create(model=model, prompt=ids, max_tokens=NUM_TOKENS, temperature=0.0)
+    r = _client(url).completions.create(model=model, prompt=ids, max_tokens=NUM_TOKENS, temperature=0.0,
+                                        extra_body={"ignore_eos": True})  # as GREEDY
     return r.choices[0].text
 
 
@@ -207,4 +220,7 @@ def test_tensor_parallel_2_matches_peft(refs, tmp_path):
     want = {f"base/{i}": t for i, t in enumerate(refs["base"])}
     want.update({f"{n}/{i}": t for n in ADAPTERS for i, t in enumerate(refs[n]["tokens"])})
     assert result["tokens"] == want
+    want_logprobs = {f"base/{i}": lp for i, lp in enumerate(refs["base_logprobs"])}
+    want_logprobs.update({f"{n}/{i}": lp for n in ADAPTERS for i, lp in enumerate(refs[n]["logprobs"])})
+    assert_logprobs_close([result["logprobs"][k] for k in want], [want_logprobs[k] for k in want], what="TP 2")
     assert result["compilations_after_warmup"] == 0
