@@ -45,6 +45,15 @@ def tiny_llama_dir(tmp_path_factory, default_gguf):
 
 
 @pytest.fixture(scope="session")
+def tiny_lora_refs(tiny_llama_dir, tmp_path_factory) -> dict:
+    """peft adapters on tiny_llama_dir and transformers + peft's greedy tokens and logprobs for them
+    (tests/lora_helpers.py): the multi-process LoRA tests' reference (data parallel, --num-hosts)."""
+    from tests.lora_helpers import make_tiny_adapters
+
+    return make_tiny_adapters(tiny_llama_dir, tmp_path_factory.mktemp("tiny_adapters"))
+
+
+@pytest.fixture(scope="session")
 def jax_default_model():
     from jaxserve.weights.loader import load_model
 

@@ -71,3 +71,53 @@ def make_adapters(hf_model, tokenizer, root: Path) -> dict:
 
 def write_refs(refs: dict, path: Path) -> None:
     path.write_text(json.dumps(refs))
+
+
+# ---- the multi-process LoRA tests (data parallel, --num-hosts) on conftest's tiny random Llama ----------
+def make_tiny_adapters(model_dir: Path, root: Path) -> dict:
+    """make_adapters on the tiny Llama at `model_dir` (its engines warm up in seconds, where the default
+    model's take a minute per process), plus "texts": each generated token decoded alone, as a
+    completion's `logprobs.tokens` reports it (the server returns no token ids)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # always NUM_TOKENS tokens (the server: ignore_eos)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    refs = make_adapters(model, tokenizer, root)
+    for ref in [refs[name] for name in ADAPTERS]:
+        ref["texts"] = [[tokenizer.decode([t]) for t in seq] for seq in ref["tokens"]]
+    return refs
+
+
+def http_lora_completions(url: str, names: list[str], prompt_ids: list[list[int]]) -> dict[str, dict]:
+    """Every (adapter name, prompt) at once over HTTP, greedy: "name/i" -> {"texts", "logprobs"} of
+    the generated tokens (compare_with_peft checks them)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def one(job: tuple[str, int]) -> dict:
+        name, i = job
+        r = httpx.post(f"{url}/v1/completions", timeout=300, json={
+            "model": name, "prompt": prompt_ids[i], "max_tokens": NUM_TOKENS, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0})
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        return {"texts": lp["tokens"], "logprobs": lp["token_logprobs"]}
+
+    jobs = [(name, i) for name in names for i in range(len(prompt_ids))]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return {f"{n}/{i}": out for (n, i), out in zip(jobs, pool.map(one, jobs))}
+
+
+def compare_with_peft(got: dict[str, dict], refs: dict) -> None:
+    """The tokens (as texts) equal peft's greedy ones and each one's logprob is within
+    LOGPROB_TOL of peft's float32 log_softmax (tests/logprob_parity.py)."""
+    from tests.logprob_parity import assert_logprobs_close
+
+    assert got, "no completions"
+    for key, out in got.items():
+        name, i = key.rsplit("/", 1)
+        assert out["texts"] == refs[name]["texts"][int(i)], key
+        assert_logprobs_close([out["logprobs"]], [refs[name]["logprobs"][int(i)]], what=key)

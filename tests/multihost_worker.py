@@ -22,8 +22,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # A small pool so requests are preempted by swapping (exercises the host pool across processes);
 # num_gpu_blocks_override keeps the block count, and so the schedule, the same at TP 1 and TP 2.
+# float32 throughout (KV pool included): the served LoRA completions are held to peft's.
 ENGINE = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=64, num_gpu_blocks_override=12,
-              block_size=8, dtype="float32", preemption_mode="swap", swap_space=0.01, compilation_cache_dir="")
+              block_size=8, dtype="float32", kv_cache_dtype="auto", preemption_mode="swap", swap_space=0.01,
+              compilation_cache_dir="")
 # Pipeline stages: the same small pool, preempting by recomputation.
 ENGINE_PP = {**ENGINE, "preemption_mode": "recompute", "swap_space": 0}
 PROMPTS = [[(11 * i + 3 * j) % 900 + 20 for j in range(4 + 3 * i)] for i in range(6)]

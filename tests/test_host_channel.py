@@ -17,7 +17,7 @@ from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.parallel.host_channel import MAGIC, StepCodec
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.worker.input_batch import pack
-from jaxserve.engine.multihost import CODEC
+from jaxserve.engine.multihost import CODEC, StepMessage
 from jaxserve.worker.model_runner import PreparedStep, PromptLogprobChunk
 
 
@@ -54,6 +54,13 @@ def test_a_prepared_step_round_trips_exactly(compress):
     _assert_same(codec.decode(codec.encode(step)), step)
     assert codec.decode(codec.encode(None)) is None  # the stop message
     _assert_same(codec.decode(codec.encode(PreparedStep())), PreparedStep())
+
+
+def test_a_step_message_names_its_adapters_exactly():
+    """What a worker rank reads a LoRA adapter from: (id, name, path) beside the step."""
+    msg = StepMessage(dataclasses.replace(_step(), lora_writes=[(1, 7), (2, 3)]),
+                      [(7, "sql-é", "/adapters/sql"), (3, "chat", "/shared/chat adapter")])
+    _assert_same(CODEC.decode(CODEC.encode(msg)), msg)
 
 
 class Planted:

@@ -199,6 +199,82 @@ def test_http_runtime_load_use_unload(server, refs, hf_default_tokenizer, tmp_pa
     assert engine.get_stats().num_compilations_after_warmup == 0
 
 
+def test_http_twenty_concurrent_loads_get_distinct_working_adapters(server, refs, hf_default_tokenizer):
+    """20 /v1/load_lora_adapter calls at once, distinct names over the 4 adapters' paths: each a 200
+    under its own id (as vLLM, --max-loras and --max-cpu-loras bound a step's slots and the host copies,
+    not the names served), and each name then answers with its adapter's peft tokens, 20 requests at
+    once over 3 slots; two loads of one name at once: one 200, one 400."""
+    import asyncio
+
+    url, engine = server
+    names = [f"c{k}" for k in range(20)]
+    adapter = {n: list(ADAPTERS)[k % len(ADAPTERS)] for k, n in enumerate(names)}
+
+    async def load_all() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            calls = [client.post("/v1/load_lora_adapter", json={"lora_name": n, "lora_path": refs[adapter[n]]["path"]})
+                     for n in names]
+            calls += [client.post("/v1/load_lora_adapter", json={"lora_name": "dup", "lora_path": refs["qv8"]["path"]})
+                      for _ in range(2)]
+            return list(await asyncio.gather(*calls))
+
+    responses = asyncio.run(load_all())
+    assert [r.status_code for r in responses[:20]] == [200] * 20, [r.text for r in responses[:20]]
+    assert sorted(r.status_code for r in responses[20:]) == [200, 400]
+    manager = engine.lora_manager
+    ids = [manager.resolve(n).lora_int_id for n in names + ["dup", "qv8", "mlp16rs", "all4"]]
+    assert len(set(ids)) == len(ids), ids
+
+    def complete(k: int) -> str:
+        r = _client(url).completions.create(model=names[k], prompt=refs["prompt_ids"][k % 3], max_tokens=2,
+                                            temperature=0.0, extra_body={"ignore_eos": True})
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(len(names)) as pool:
+        texts = list(pool.map(complete, range(len(names))))
+    assert texts == [hf_default_tokenizer.decode(refs[adapter[n]]["tokens"][k % 3][:2]) for k, n in enumerate(names)]
+    for n in names + ["dup"]:
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": n}).status_code == 200
+    assert engine.get_stats().num_compilations_after_warmup == 0
+
+
+def test_adapter_saved_in_bfloat16_or_float16_reads_as_safetensors_torch_does(refs, jax_default_model, tmp_path):
+    """An adapter saved in bfloat16 / float16: A and B (B times the scaling) as torch reads the file."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from jaxserve.lora.peft import load_adapter
+
+    src = refs["all4"]["path"]
+    key = "base_model.model.model.layers.3.mlp.down_proj.lora_{}.weight"
+    for dtype in (torch.bfloat16, torch.float16):
+        path = tmp_path / str(dtype).removeprefix("torch.")
+        shutil.copytree(src, path)
+        tensors = {k: v.to(dtype) for k, v in load_file(f"{src}/adapter_model.safetensors").items()}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        w = load_adapter(path, jax_default_model.config, 16)
+        a, b = w.modules["w_down"]
+        assert np.array_equal(a[3], tensors[key.format("A")].float().numpy().T)
+        assert np.array_equal(b[3], tensors[key.format("B")].float().numpy().T * w.scaling)
+        assert not np.array_equal(b[3], load_adapter(src, jax_default_model.config, 16).modules["w_down"][1][3])
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_before_loading(tmp_path):
+    """A MoE checkpoint with --enable-lora: refused from its config.json alone (the directory holds
+    no weights, so an attempt to load them would fail otherwise), with the field named."""
+    import transformers
+
+    from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.llm_engine import LLMEngine
+    from tests.moe_fixtures import CHECKPOINTS, COMMON
+
+    cls_name, extra = CHECKPOINTS["qwen3_moe"]
+    getattr(transformers, cls_name)(**COMMON, **extra, architectures=["Qwen3MoeForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="^enable_lora: .*Qwen3MoeForCausalLM is a mixture of experts"):
+        LLMEngine(EngineArgs(model=str(tmp_path), enable_lora=True), progress=False)
+
+
 @pytest.mark.multidevice
 def test_tensor_parallel_2_matches_peft(refs, tmp_path):
     """TP 2 on 2 fake CPU devices (a subprocess: the device count is fixed at start-up). SmolLM2's

@@ -126,8 +126,8 @@ def assert_same_results(leader: dict, reference: dict, same_schedule: bool = Tru
             assert a is None or max(abs(a[k] - b[k]) for k in a) < 1e-4, rid
 
 
-def _serve_cmd(model_dir: Path, rank: int, coordinator_port: int, http_port: int) -> list[str]:
-    flags = []
+def _serve_cmd(model_dir: Path, rank: int, coordinator_port: int, http_port: int, *extra: str) -> list[str]:
+    flags = list(extra)
     for name, value in worker.ENGINE.items():
         flags += [f"--{name.replace('_', '-')}", str(value)]
     return [sys.executable, "-m", "jaxserve.cli", "serve", str(model_dir), "--num-hosts", "2", "--host-rank", str(rank),
@@ -135,16 +135,25 @@ def _serve_cmd(model_dir: Path, rank: int, coordinator_port: int, http_port: int
             "--host", "127.0.0.1", "--port", str(http_port), *flags]
 
 
-def test_jaxserve_serve_on_two_hosts(model_dir, reference, tmp_path):
+def test_jaxserve_serve_on_two_hosts(model_dir, reference, tiny_lora_refs, tmp_path):
     """`jaxserve serve --num-hosts 2` on both ranks with the SAME --port: rank 1 must not start an HTTP
-    server (it would fail to bind). Rank 0 answers; SIGTERM stops rank 0, which stops rank 1; both exit 0."""
+    server (it would fail to bind). Rank 0 answers; SIGTERM stops rank 0, which stops rank 1; both exit 0.
+    With LoRA: qv8 from --lora-modules, all4 and mlp16rs loaded over HTTP (on rank 0 only: each step
+    that writes an adapter into a slot names it to rank 1, which reads it from the same path), 3 adapters
+    over 2 slots, give peft's tokens and logprobs; rank 1 compiles nothing for them."""
     import httpx
+
+    from tests.lora_helpers import compare_with_peft, http_lora_completions
+
     coord, http = free_port(), free_port()
+    lora = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
+            "--lora-modules", f"qv8={tiny_lora_refs['qv8']['path']}")
+    env = {**ENV, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     logs = [tmp_path / f"serve{r}.log" for r in range(2)]
     procs = []
     for r in range(2):
         with open(logs[r], "wb") as f:
-            procs.append(subprocess.Popen(_serve_cmd(model_dir, r, coord, http), cwd=ROOT, env=ENV, stdout=f,
+            procs.append(subprocess.Popen(_serve_cmd(model_dir, r, coord, http, *lora), cwd=ROOT, env=env, stdout=f,
                                           stderr=subprocess.STDOUT))
     base = f"http://127.0.0.1:{http}"
     try:
@@ -165,6 +174,12 @@ def test_jaxserve_serve_on_two_hosts(model_dir, reference, tmp_path):
                 "ignore_eos": True})
             assert resp.status_code == 200, resp.text
             assert resp.json()["choices"][0]["text"] == reference["results"][f"greedy-{i}"]["text"], i
+        for name in ("all4", "mlp16rs"):
+            resp = httpx.post(f"{base}/v1/load_lora_adapter", timeout=60,
+                              json={"lora_name": name, "lora_path": tiny_lora_refs[name]["path"]})
+            assert resp.status_code == 200, resp.text
+        compare_with_peft(http_lora_completions(base, ["qv8", "all4", "mlp16rs"], tiny_lora_refs["prompt_ids"]),
+                          tiny_lora_refs)
         procs[0].send_signal(signal.SIGTERM)
         for r, p in enumerate(procs):
             assert p.wait(60) == 0, f"rank {r}:\n{_tail(logs[r])}"

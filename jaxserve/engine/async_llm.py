@@ -31,6 +31,7 @@ from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
+from jaxserve.lora.manager import ReplicatedLoRAManager
 from jaxserve.weights.loader import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -254,6 +255,10 @@ class DataParallelAsyncLLM:
         self.in_flight = [0] * len(replicas)
         self.num_served = [0] * len(replicas)  # requests each replica has taken, for logs and tests
         self._owner: dict[str, int] = {}
+        # LoRA: a name (--lora-modules, /v1/load_lora_adapter) is served by every replica under one id,
+        # so a request naming it runs under the same adapter whichever replica takes it
+        managers = [r.lora_manager for r in replicas]
+        self.lora_manager = ReplicatedLoRAManager(managers) if all(m is not None for m in managers) else None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, model: LoadedModel | None = None,

@@ -48,7 +48,7 @@ from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, qua
 from jaxserve.weights import expert_bits
 from jaxserve.weights.loader import LoadedModel, load_model, load_tokenizer, resolve_dtype
 from jaxserve.weights.source import describe_model
-from jaxserve.lora.manager import LoRAManager
+from jaxserve.lora.manager import LoRAManager, check_lora_model
 from jaxserve.lora.request import LoRARequest
 
 PromptType = str | list[int] | dict
@@ -90,6 +90,8 @@ class LLMEngine:
                                                       args.attention_backend)
         if model is None:
             source = describe_model(args.model)  # what the model is, before reading any weight
+            if args.enable_lora:
+                check_lora_model(source.config)
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
                 width = jnp.dtype(resolve_dtype(args.dtype)).itemsize
                 refuse_oversized_weights(
@@ -103,6 +105,8 @@ class LLMEngine:
             model = load_model(source, args.dtype, progress, mesh=mesh, quantization=args.quantization,
                                expert_parallel=args.enable_expert_parallel, expert_bits=bf16_experts)
         else:
+            if args.enable_lora:
+                check_lora_model(model.config)
             model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
             if mesh is not None:
                 model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))

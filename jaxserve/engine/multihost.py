@@ -15,7 +15,10 @@ Start-up (loading, KV sizing, warm-up) is identical on every rank: each builds t
 same LLMEngine from the same flags (checked against rank 0's), so the warm-up programs
 line up without messages. A PreparedStep is plain numpy and ints; it travels through
 jax.distributed's own key-value store (the coordinator rank 0 already runs), one key
-per (receiver, step), deleted by the receiver, so nothing accumulates. It is encoded as
+per (receiver, step), deleted by the receiver, so nothing accumulates. A step that writes
+LoRA adapters into device slots names them (id, name, path): only rank 0 serves names, so
+every other rank reads the adapter from the same path on its own host (as rank 0 did) and
+keeps it under the same id. The message is encoded as
 typed arrays (parallel/host_channel.py), never a pickle: a payload planted in the store
 is refused, not run. The coordinator binds to the --coordinator address only. Each worker
 beats in the store every second; rank 0 fails its steps and exits when one is silent for
@@ -37,6 +40,7 @@ import jax
 
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.lora.request import LoRARequest
 from jaxserve.worker.model_runner import ModelRunner, PreparedStep
 from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.models.attention import AttentionMetadata
@@ -52,8 +56,19 @@ HEARTBEAT_TIMEOUT_S = 10.0  # a worker silent this long is lost: rank 0 fails it
 EXIT_GRACE_S = 5.0  # after that, time for the failed step's errors to reach the clients before rank 0 exits
 EXIT_WORKER_LOST = 3  # rank 0's exit status when a worker was lost
 _heartbeats: list[Heartbeat] = []  # this process's (stopped when the run ends)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMessage:
+    """One step for the other ranks: the step, and (lora id, name, path) of each adapter it writes
+    into a LoRA slot (a worker that has not seen the id yet reads it from the path)."""
+    step: PreparedStep
+    adapters: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)
+
+
 # Everything a step message may hold (the decoder builds these types and no others).
-CODEC = StepCodec([PreparedStep, PromptLogprobChunk, StepInput, AttentionMetadata, SamplingMetadata])
+CODEC = StepCodec([StepMessage, PreparedStep, PromptLogprobChunk, StepInput, AttentionMetadata,
+                   SamplingMetadata])
 
 
 def is_enabled(args: EngineArgs) -> bool:
@@ -105,13 +120,13 @@ class StepChannel:
     def _key(self, rank: int) -> str:
         return f"{_PREFIX}/step/{rank}/{self.seq}"
 
-    def send(self, msg: PreparedStep | None) -> None:
+    def send(self, msg: StepMessage | None) -> None:
         data = CODEC.encode(msg)
         for rank in range(1, self.num_ranks):
             self.client.key_value_set_bytes(self._key(rank), data)
         self.seq += 1
 
-    def recv(self) -> PreparedStep | None:
+    def recv(self) -> StepMessage | None:
         key, start = self._key(self.rank), time.monotonic()
         while True:
             try:
@@ -126,7 +141,10 @@ class StepChannel:
                     raise RuntimeError(f"host rank 0 stopped responding ({silent:.0f} s without a heartbeat)") from None
         self.client.key_value_delete(key)
         self.seq += 1
-        return CODEC.decode(data)  # ValueError for anything but a typed step: never unpickled
+        msg = CODEC.decode(data)  # ValueError for anything but a typed step: never unpickled
+        if msg is not None and not isinstance(msg, StepMessage):
+            raise ValueError(f"not a jaxserve typed step: a {type(msg).__name__} where a StepMessage goes")
+        return msg
 
 
 class LeaderRunner:
@@ -153,9 +171,16 @@ class LeaderRunner:
         prepared = self.runner.prepare(out)
         if not prepared.has_device_work:
             return ModelOutput()
-        self.channel.send(prepared)
+        self.channel.send(StepMessage(prepared, self._adapters(prepared)))
         self.num_steps_sent += 1
         return self.runner.run(prepared)  # synchronous: async scheduling is off with num_hosts > 1
+
+    def _adapters(self, prepared: PreparedStep) -> list[tuple[int, str, str]]:
+        """(id, name, path) of the adapters the step writes into slots (the workers' managers know
+        only the ids rank 0 has sent them)."""
+        lora = self.runner.lora
+        requests = [lora.request(lora_id) for _, lora_id in prepared.lora_writes if lora_id]
+        return [(r.lora_int_id, r.lora_name, r.lora_path) for r in requests]
 
     def stop_workers(self) -> None:
         self.watchdog.stop()
@@ -231,8 +256,12 @@ def follow(engine: LLMEngine, timeout_s: float | None = None) -> int:
     `timeout_s`: the longest wait for one step (None: forever, as a server may idle)."""
     channel = StepChannel(timeout_s)
     num_steps = 0
-    while (prepared := channel.recv()) is not None:
-        engine.runner.run(prepared)
+    while (msg := channel.recv()) is not None:
+        for lora_id, name, path in msg.adapters:  # (a known id: a look-up; a new one: read from its path)
+            if engine.lora is None:
+                raise ValueError("enable_lora: rank 0 sent a LoRA adapter but this rank has LoRA disabled")
+            engine.lora.add(LoRARequest(name, lora_id, path))
+        engine.runner.run(msg.step)
         num_steps += 1
     _stop_heartbeats()
     return num_steps

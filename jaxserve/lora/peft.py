@@ -19,8 +19,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
+from safetensors import safe_open
 
 from jaxserve.models.config import ModelConfig
 
@@ -89,35 +89,14 @@ def check_adapter_config(conf: dict, max_lora_rank: int) -> tuple[int, float]:
     return rank, float(scaling)
 
 
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": ml_dtypes.bfloat16}
-
-
-def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors file as float32 numpy, read directly (8-byte header size, JSON
-    header, data): no framework, so reading an adapter while serving compiles nothing."""
-    try:
-        with open(path, "rb") as fh:
-            size = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(size))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"lora_path: cannot read {path} ({e})") from None
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _ST_DTYPES.get(entry["dtype"])
-        if dtype is None:
-            raise ValueError(f"lora_path: {path}: tensor {name!r} has unsupported dtype {entry['dtype']}")
-        start, end = entry["data_offsets"]
-        data = np.fromfile(path, np.uint8, count=end - start, offset=8 + size + start)
-        out[name] = data.view(dtype).reshape(entry["shape"]).astype(np.float32)
-    return out
-
-
 def _read_tensors(p: Path) -> dict[str, np.ndarray]:
     st, bin_ = p / "adapter_model.safetensors", p / "adapter_model.bin"
-    if st.is_file():
-        return _read_safetensors(st)
+    if st.is_file():  # the safetensors library, as the model loader reads (numpy: host arrays, no compile)
+        try:
+            with safe_open(str(st), framework="numpy") as f:
+                return {name: f.get_tensor(name).astype(np.float32) for name in f.keys()}
+        except Exception as e:  # (safetensors raises its own error types for a corrupt file)
+            raise ValueError(f"lora_path: cannot read {st} ({e})") from None
     if bin_.is_file():
         import torch
 

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from jaxserve.entrypoints.openai import protocol as p
 from jaxserve.entrypoints.openai.errors import OpenAIError
-from jaxserve.lora.manager import LoRAManager
+from jaxserve.lora.manager import LoRAManager, ReplicatedLoRAManager
 from jaxserve.lora.request import LoRAModulePath, LoRARequest
 
 RUNTIME_UPDATING_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "JAXSERVE_ALLOW_RUNTIME_LORA_UPDATING")
@@ -44,7 +44,7 @@ def runtime_updating_enabled() -> bool:
     return any(os.environ.get(name, "").strip().lower() in ("1", "true", "yes") for name in RUNTIME_UPDATING_ENV)
 
 
-def lora_manager(engine) -> LoRAManager | None:
+def lora_manager(engine) -> LoRAManager | ReplicatedLoRAManager | None:
     return getattr(engine, "lora_manager", None)
 
 
@@ -58,8 +58,7 @@ def register_lora_modules(engine, modules: tuple[str, ...] | None) -> list[LoRAR
     served = []
     for value in modules:
         module = LoRAModulePath.parse(value)
-        served.append(manager.register(LoRARequest(module.name, manager.next_id(), module.path,
-                                                   module.base_model_name)))
+        served.append(manager.load(module.name, module.path, module.base_model_name))
     return served
 
 
@@ -84,7 +83,7 @@ def lora_routes(engine, read_json, endpoint, max_body_bytes: int) -> list[Route]
     if not runtime_updating_enabled():
         return []
 
-    def manager_or_400() -> LoRAManager:
+    def manager_or_400() -> LoRAManager | ReplicatedLoRAManager:
         manager = lora_manager(engine)
         if manager is None:
             raise OpenAIError("LoRA is not enabled on this server (start it with --enable-lora)", param="lora_name")
@@ -97,8 +96,9 @@ def lora_routes(engine, read_json, endpoint, max_body_bytes: int) -> list[Route]
         manager = manager_or_400()
         if manager.resolve(req.lora_name) is not None or req.lora_name in served_names(engine):
             raise OpenAIError(f"The lora adapter '{req.lora_name}' has already been loaded.", param="lora_name")
-        lora = LoRARequest(req.lora_name, manager.next_id(), req.lora_path)
-        await anyio.to_thread.run_sync(manager.register, lora)  # reads the files off the event loop
+        # (off the event loop: reads the files) The manager checks the name again, takes a fresh id,
+        # reads and stores under one lock: concurrent loads never share an id or a name.
+        await anyio.to_thread.run_sync(manager.load, req.lora_name, req.lora_path)
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     async def unload(request: Request) -> Response:
