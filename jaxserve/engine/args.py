@@ -95,7 +95,8 @@ class EngineArgs:
     async_scheduling: bool | None = None
     # Pooling models (jaxserve/pooling, docs/pooling.md), as vLLM: auto picks "pooling" for an encoder,
     # a bare decoder or a sentence-transformers directory; convert: the pooling task (auto: the
-    # architecture's); override_pooler_config: {"pooling_type": "CLS|MEAN|LAST", "normalize": bool, ...}.
+    # architecture's); override_pooler_config: {"pooling_type": "CLS|MEAN|MAX|LAST|WEIGHTEDMEAN|
+    # MEAN_SQRT_LEN_TOKENS", "normalize": bool, ...}.
     runner: Literal["auto", "generate", "pooling"] = "auto"
     convert: Literal["auto", "embed", "classify"] = "auto"
     override_pooler_config: dict | None = None

@@ -26,9 +26,10 @@ from dataclasses import fields
 from jaxserve.engine import beam_search
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.data_parallel import replica_engines
-from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
+from jaxserve.engine.exceptions import EngineDeadError, RequestAbortedError, RequestFailedError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.pooling.outputs import PoolingRequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
 from jaxserve.lora.manager import ReplicatedLoRAManager
@@ -44,6 +45,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len, self.block_size = engine.max_model_len, engine.block_size
         self.model_name = engine.model_name
+        self.runner_kind, self.core_engine = engine.runner_kind, engine  # "generate" | "pooling"; its facts
         # what the server reads besides: every name a request may use, the generation config's
         # defaults for the fields a request leaves unset, --max-logprobs
         self.served_model_names = engine.served_model_names
@@ -91,14 +93,7 @@ class AsyncLLM:
         text, token_ids = self.engine.encode_prompt(prompt)
         self.engine.validate(token_ids, sampling_params)
         self.engine.check_lora(lora_request)  # reads the adapter here, not on the engine thread
-        if request_id in self._streams:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        with self._lock:  # after the loop's death no stream is registered, so none waits forever
-            if self.dead_error is not None:
-                raise self.dead_error
-            self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._queued.add(request_id)
+        q = self._open_stream(request_id)
         if (sampling_params.best_of or 1) > 1:  # each sample takes a running slot
             self._extra_seqs[request_id] = sampling_params.best_of - 1
         self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params,
@@ -118,6 +113,45 @@ class AsyncLLM:
             self._streams.pop(request_id, None)
             self._queued.discard(request_id)
             self._extra_seqs.pop(request_id, None)
+
+    async def encode(self, prompt_token_ids: list[int], request_id: str, *,
+                     token_type_ids: list[int] | None = None) -> PoolingRequestOutput:
+        """A pooling model's result for one tokenized input (vLLM's AsyncLLM.encode): its embedding or
+        classifier logits, batched by the scheduler with every request in flight. The same guarantees
+        as generate(): a dead engine raises EngineDeadError, an abort (or shutdown) ends it with
+        RequestAbortedError, a cancelled caller aborts it."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self.engine.check_pooling_input(prompt_token_ids)
+        q = self._open_stream(request_id)
+        self._post(("pool", request_id, list(prompt_token_ids), token_type_ids))
+        finished = False
+        try:
+            item = await q.get()
+            finished = True
+            if isinstance(item, BaseException):
+                raise item
+            if item.aborted:
+                raise RequestAbortedError(request_id)
+            return item
+        finally:
+            if not finished:  # the caller went away (disconnect, cancel): drop the request
+                self._post(("abort", request_id))
+            self._streams.pop(request_id, None)
+            self._queued.discard(request_id)
+
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        """The request's output queue, registered (no await before the request is posted, so a burst's
+        next request counts it)."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:  # after the loop's death no stream is registered, so none waits forever
+            if self.dead_error is not None:
+                raise self.dead_error
+            self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._queued.add(request_id)
+        return q
 
     async def _beam_search(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Rounds of one-token requests per live beam (see beam_search.py); one final output."""
@@ -197,10 +231,13 @@ class AsyncLLM:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, rid, prompt, params, lora_request = msg
+            if msg[0] in ("add", "pool"):
+                rid = msg[1]
                 try:
-                    self.engine.add_request(rid, prompt, params, lora_request=lora_request)
+                    if msg[0] == "pool":
+                        self.engine.add_pooling_request(rid, msg[2], msg[3])
+                    else:
+                        self.engine.add_request(rid, msg[2], msg[3], lora_request=msg[4])
                 except ValueError as e:
                     self._deliver(rid, e)
                 except Exception as e:  # noqa: BLE001  (this request's own input failed: it alone ends)
@@ -208,7 +245,7 @@ class AsyncLLM:
                     self.engine.abort_request(rid)  # whatever part of it was registered
                     self._deliver(rid, RequestFailedError(rid, f"request failed: {type(e).__name__}"))
             else:
-                ids = [msg[1]] if msg[0] == "abort" else list(self.engine.outputs.groups)
+                ids = [msg[1]] if msg[0] == "abort" else self.engine.request_ids()
                 for out in self.engine.abort_request(ids):
                     self._deliver(out.request_id, out)
 
@@ -250,6 +287,7 @@ class DataParallelAsyncLLM:
         first = replicas[0]
         self.tokenizer, self.max_model_len, self.model_name = first.tokenizer, first.max_model_len, first.model_name
         self.block_size = first.block_size
+        self.runner_kind, self.core_engine = first.runner_kind, first.core_engine
         self.served_model_names = first.served_model_names
         self.default_sampling_params, self.max_logprobs = first.default_sampling_params, first.max_logprobs
         self.in_flight = [0] * len(replicas)
@@ -274,16 +312,30 @@ class DataParallelAsyncLLM:
 
     async def generate(self, prompt: str | list[int] | dict, sampling_params: SamplingParams, request_id: str,
                        *, prompt_logprobs: bool = False, lora_request=None) -> AsyncIterator[RequestOutput]:
-        i = min(range(len(self.replicas)), key=lambda k: (self.in_flight[k], self.num_served[k]))
-        self.in_flight[i] += 1
-        self.num_served[i] += 1
-        self._owner[request_id] = i
+        i = self._pick(request_id)
         try:
             async for out in self.replicas[i].generate(prompt, sampling_params, request_id, lora_request=lora_request):
                 yield out
         finally:
             self.in_flight[i] -= 1
             self._owner.pop(request_id, None)
+
+    async def encode(self, prompt_token_ids: list[int], request_id: str, *,
+                     token_type_ids: list[int] | None = None) -> PoolingRequestOutput:
+        i = self._pick(request_id)
+        try:
+            return await self.replicas[i].encode(prompt_token_ids, request_id, token_type_ids=token_type_ids)
+        finally:
+            self.in_flight[i] -= 1
+            self._owner.pop(request_id, None)
+
+    def _pick(self, request_id: str) -> int:
+        """The replica with the fewest requests in flight (then the fewest served) takes the request."""
+        i = min(range(len(self.replicas)), key=lambda k: (self.in_flight[k], self.num_served[k]))
+        self.in_flight[i] += 1
+        self.num_served[i] += 1
+        self._owner[request_id] = i
+        return i
 
     async def abort(self, request_id: str) -> None:
         i = self._owner.get(request_id)

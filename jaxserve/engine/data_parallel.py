@@ -12,6 +12,7 @@ from jaxserve import parallel
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.lora.manager import check_lora_model
+from jaxserve.engine.pooling import is_encoder, pooling_info
 from jaxserve.worker.model_runner import num_compilations
 from jaxserve.weights.loader import LoadedModel, load_model
 from jaxserve.weights.source import describe_model
@@ -24,7 +25,9 @@ def replica_engines(args: EngineArgs, model: LoadedModel | None = None, progress
                                    args.pipeline_parallel_size, jax.device_count())
     if args.enable_lora and model is None:  # refused before the weights are read, as one engine does
         check_lora_model(describe_model(args.model).config)
-    model = model or load_model(args.model, args.dtype, progress)  # once; each replica shards its copy
+    info = pooling_info(args)
+    if info is None or not is_encoder(info):  # (an encoder replica loads its own small weights)
+        model = model or load_model(args.model, args.dtype, progress)  # once; each replica shards its copy
     if args.pipeline_parallel_size > 1:  # replica i: the i-th run of tp x pp devices, split into its stages
         n = args.tensor_parallel_size * args.pipeline_parallel_size
         engines = [LLMEngine(args, model=model, progress=progress, devices=jax.devices()[i * n:(i + 1) * n])

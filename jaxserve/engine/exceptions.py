@@ -4,6 +4,8 @@
                         ends with it, new ones are refused (503), the server exits non-zero
     RequestFailedError  one request's own input made the step fail (the loop knows which):
                         that request alone ends with an error, the others carry on
+    RequestAbortedError a pooling request aborted before its step (it has no partial result to
+                        return, unlike a generation's finish_reason "abort")
 """
 
 from __future__ import annotations
@@ -19,4 +21,13 @@ class RequestFailedError(RuntimeError):
 
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(message)
+        self.request_id = request_id
+
+
+class RequestAbortedError(RuntimeError):
+    """A pooling request ended before its step (an abort, a graceful shutdown): it has no result."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request {request_id} was aborted before it ran (the server is shutting down, "
+                         "or the request was cancelled)")
         self.request_id = request_id

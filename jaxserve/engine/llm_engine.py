@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from jaxserve import parallel
 from jaxserve.engine.output_processor import OutputProcessor
+from jaxserve.engine import pooling
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.config import EngineConfig, default_bf16_dots_from
 from jaxserve.engine.generation_config import generation_defaults
@@ -36,6 +37,7 @@ from jaxserve.worker import sizing
 from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
 from jaxserve.worker.model_runner import ModelRunner, PendingStep, activation_bytes, num_compilations
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.pooling.outputs import PoolingRequestOutput
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
@@ -55,7 +57,7 @@ PromptType = str | list[int] | dict
 log = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(pooling.PoolingRequests):
     def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True,
                  mesh: Mesh | None = None, devices: Sequence[jax.Device] | None = None) -> None:
         """`mesh`: this replica's devices (axes data=1, model=tp); built from args when None.
@@ -81,6 +83,18 @@ class LLMEngine:
             # Pipeline stages get a sub-mesh each (parallel/pipeline.py) instead of one mesh.
             mesh = parallel.make_mesh(args.tensor_parallel_size, 1) if args.pipeline_parallel_size == 1 else None
         self.mesh = mesh
+        # The runner kind (vLLM's --runner): a pooling model is this engine with a runner that returns
+        # pooled rows (engine/pooling.py), read from the model directory before any weight.
+        self.pooling_info = pooling.pooling_info(args, model.path if model is not None else None)
+        self.pooler: pooling.Pooler | None = None
+        if self.pooling_info is not None:
+            encoder = pooling.is_encoder(self.pooling_info)
+            pooling.refuse_flags(args, encoder)
+            if encoder:
+                self._init_encoder(pooling.EncoderParts.build(args, self.pooling_info, mesh), progress)
+                return
+            args = self.args = pooling.pooling_args(args, self.pooling_info,
+                                                    describe_model(args.model).config.max_position_embeddings)
         # Weights the engine loaded itself are deleted on shutdown. A LoadedModel passed in may serve
         # other engines too, and what the engine derives from it (its shards, a quantized or staged
         # copy) may share buffers with it (device_put reuses a buffer already on the device): those
@@ -142,12 +156,19 @@ class LLMEngine:
         self.lora = (LoRAManager(cfg, args.max_loras, args.max_lora_rank, args.max_cpu_loras or args.max_loras)
                      if args.enable_lora else None)
         lora_dtype = None if args.lora_dtype == "auto" else jnp.dtype(args.lora_dtype)
-        self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype)
+        if self.pooling_info is not None:  # a decoder embedder: the hidden rows its pooler reads
+            self.pooler = pooling.Pooler.build(self.pooling_info, self.model.path, False, cfg.hidden_size)
+        self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype,
+                                  pooling_rows=self.pooler.rows if self.pooler is not None else None)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         if not args.enforce_eager:  # --enforce-eager: programs compile on first use instead
             self.runner.warmup(progress)
         self.warmup_seconds = time.perf_counter() - t1
+        self._init_serving(self.config.async_scheduling, self.config.max_steps_in_flight)
+
+    def _init_serving(self, async_scheduling: bool, max_steps_in_flight: int) -> None:
+        """What every runner kind serves with, once its weights, pool and programs are ready."""
         self.compilations_at_warmup = num_compilations()
         # Everything allocated so far (weights' host copies, JAX, transformers) lives as long as
         # the engine: out of the collector's sight, a full collection no longer walks millions of
@@ -156,9 +177,10 @@ class LLMEngine:
         gc.unfreeze()
         gc.collect()
         gc.freeze()
-        self._rng = np.random.default_rng(args.seed)
+        self._rng = np.random.default_rng(self.args.seed)
         self.outputs = OutputProcessor(self.tokenizer)
-        self.async_scheduling = self.config.async_scheduling
+        self._pooling_requests: dict[str, tuple[list[int], float]] = {}  # id -> (prompt ids, arrival)
+        self.async_scheduling, self.max_steps_in_flight = async_scheduling, max_steps_in_flight
         self._in_flight: collections.deque[tuple[SchedulerOutput, PendingStep]] = collections.deque()
         # A test hook: called at the start of every step with the ids of the requests in the engine;
         # what it raises is a failed step (engine/exceptions.py says how AsyncLLM treats each kind).
@@ -319,18 +341,26 @@ class LLMEngine:
                                                parent_id=child_ids[0] if i else None, seed=base_seed + i,
                                                lora_int_id=lora_id))
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        outputs = []
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | PoolingRequestOutput]:
+        outputs: list[RequestOutput | PoolingRequestOutput] = []
         for rid in [request_ids] if isinstance(request_ids, str) else list(request_ids):
             group = self.outputs.groups.get(rid)
             if group is not None:
                 self.scheduler.abort_requests([s.child_id for s in group.samples])
                 outputs.append(self.outputs.abort(rid))
+            elif rid in self._pooling_requests:
+                self.scheduler.abort_requests([rid])
+                prompt, _ = self._pooling_requests.pop(rid)
+                outputs.append(PoolingRequestOutput(rid, None, prompt, finished=True, aborted=True))
         return outputs
+
+    def request_ids(self) -> list[str]:
+        """Every unfinished request's id (generation and pooling alike)."""
+        return list(self.outputs.groups) + list(self._pooling_requests)
 
     def has_unfinished_requests(self) -> bool:
         # (An async step still in flight once every request finished has nothing left to tell.)
-        return bool(self.outputs.groups) or self.scheduler.has_unfinished_requests()
+        return bool(self.outputs.groups) or bool(self._pooling_requests) or self.scheduler.has_unfinished_requests()
 
     has_unfinished = has_unfinished_requests  # short alias for `while engine.has_unfinished():` loops
 
@@ -355,7 +385,7 @@ class LLMEngine:
         self._in_flight.append((out, self.runner.execute_async(out)))
         # Read the oldest step back when the pipe is full, or when nothing new could be scheduled
         # (every runnable request waits on a step in flight); empty steps are read on the way.
-        wait = len(self._in_flight) >= self.config.max_steps_in_flight or not out.scheduled
+        wait = len(self._in_flight) >= self.max_steps_in_flight or not out.scheduled
         outputs: list[RequestOutput] = []
         while self._in_flight and (wait or not self._in_flight[0][0].scheduled):
             done, pending = self._in_flight.popleft()
@@ -363,12 +393,16 @@ class LLMEngine:
             wait = wait and not done.scheduled
         return outputs
 
-    def _update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput]:
+    def _update(self, out: SchedulerOutput, model_out: ModelOutput) -> list[RequestOutput | PoolingRequestOutput]:
         updates = self.scheduler.update(out, model_out)
+        pooled = []
+        if self._pooling_requests:
+            pooled = [self._pooled(u) for u in updates if u.pooled is not None and u.request_id in self._pooling_requests]
+            updates = [u for u in updates if u.pooled is None]
         self.scheduler.structured.accept_updates(updates)  # grammars advance on the accepted tokens
         outputs, stopped = self.outputs.process(out, model_out, updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)  # by a stop string
-        return outputs
+        return outputs + pooled if pooled else outputs
 
     def get_stats(self) -> EngineStats:
         compiles = num_compilations()
@@ -393,6 +427,8 @@ class LLMEngine:
                               backend=resolve_backend(self.args.attention_backend))
 
     def startup_report(self) -> str:
+        if self.config is None:  # an encoder: no KV pool
+            return self._encoder_report()
         per_req = -(-self.max_model_len // self.block_size)
         kv_values = kv_values_dtype(self.config.kv_cache_dtype, self.model_dtype).name
         sharding = ("" if self.mesh is None else

@@ -18,14 +18,6 @@ from jaxserve.weights.loader import LoadedModel
 from jaxserve.lora.request import LoRARequest
 
 
-def _is_pooling(args: EngineArgs) -> bool:
-    from jaxserve.pooling.config import read_pooling_info
-    from jaxserve.weights.loader import resolve_model_path
-
-    return read_pooling_info(resolve_model_path(args.model), args.runner, args.convert,
-                             args.override_pooler_config).runner == "pooling"
-
-
 class LLM:
     """An engine in this process. `model=None` serves the default model (SmolLM2-135M-Instruct).
 
@@ -41,34 +33,29 @@ class LLM:
         loaded = model if isinstance(model, LoadedModel) else None
         args = EngineArgs(model=None if loaded else model, **engine_args)
         self._ids = itertools.count()
-        if loaded is None and _is_pooling(args):  # runner="pooling": embed / classify / score (jaxserve/pooling)
-            from jaxserve.pooling.engine import PoolingEngine
-
-            self.llm_engine = PoolingEngine(args, progress=progress)
-            return
         self.llm_engine = LLMEngine(args, model=loaded, progress=progress)
 
     def embed(self, prompts, *, truncate_prompt_tokens: int | None = None, dimensions: int | None = None,
               use_tqdm: bool = False) -> list:
         """EmbeddingRequestOutput per prompt (`.outputs.embedding`); a pooling model only."""
-        from jaxserve.pooling import offline
+        from jaxserve.entrypoints import pooling_offline as offline
 
         return offline.embed(self._pooling_engine("embed"), prompts, truncate_prompt_tokens, dimensions)
 
     def classify(self, prompts, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
         """ClassificationRequestOutput per prompt (`.outputs.probs`)."""
-        from jaxserve.pooling import offline
+        from jaxserve.entrypoints import pooling_offline as offline
 
         return offline.classify(self._pooling_engine("classify"), prompts, truncate_prompt_tokens)
 
     def score(self, text_1, text_2, *, truncate_prompt_tokens: int | None = None, use_tqdm: bool = False) -> list:
         """ScoringRequestOutput per pair (`.outputs.score`): a cross-encoder's, or the embeddings' cosine."""
-        from jaxserve.pooling import offline
+        from jaxserve.entrypoints import pooling_offline as offline
 
         return offline.score(self._pooling_engine("score"), text_1, text_2, truncate_prompt_tokens)
 
     def _pooling_engine(self, method: str):
-        if getattr(self.llm_engine, "runner", "generate") != "pooling":
+        if self.llm_engine.runner_kind != "pooling":
             raise ValueError(f"runner: {method}() needs a pooling model (runner='pooling'); this LLM runs "
                              "runner='generate'")
         return self.llm_engine
@@ -94,7 +81,7 @@ class LLM:
                  use_tqdm: bool = True,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or one (or None) per prompt, as vLLM."""
-        if getattr(self.llm_engine, "runner", "generate") == "pooling":
+        if self.llm_engine.runner_kind == "pooling":
             raise ValueError("runner: generate() needs a generative model; this LLM runs runner='pooling' "
                              "(use embed, score or classify)")
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts

@@ -22,19 +22,13 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxserve.models import registry
 from jaxserve.quantization.matmul import matmul
 
 Params = dict[str, jax.Array | dict[str, jax.Array]]
 
-# architecture -> (family, task): the task a checkpoint of that class is made for
-ENCODER_ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "BertModel": ("bert", "embed"),
-    "BertForSequenceClassification": ("bert", "classify"),
-    "RobertaModel": ("roberta", "embed"),
-    "RobertaForSequenceClassification": ("roberta", "classify"),
-    "XLMRobertaModel": ("roberta", "embed"),
-    "XLMRobertaForSequenceClassification": ("roberta", "classify"),
-}
+# architecture -> (family, task): the task a checkpoint of that class is made for (the registry's view)
+ENCODER_ARCHITECTURES: dict[str, tuple[str, str]] = registry.encoder_architectures()
 _ACTIVATIONS = {"gelu": lambda x: jax.nn.gelu(x, approximate=False), "gelu_new": jax.nn.gelu,
                 "relu": jax.nn.relu, "gelu_pytorch_tanh": jax.nn.gelu}
 

@@ -155,7 +155,8 @@ class ModelConfig:
                 rope_type=rope_type,
                 rope_scaling=rope_scaling,
                 max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False))
+                or arch in registry.HEADLESS_ARCHITECTURES,
                 attention_bias=bool(hf.get("attention_bias", False)),
                 sliding_window=int(sliding) if sliding else None,
                 bos_token_id=hf.get("bos_token_id"),

@@ -276,9 +276,9 @@ def sliding_flag(cfg: ModelConfig) -> dict:
 
 def _config_fields(hf: Mapping, arch: str) -> dict:
     """Qwen2: q/k/v bias unless config.json says otherwise; Qwen3: q/k norm; both: the sliding
-    window only with use_sliding_window."""
-    return qwen_fields(hf, qk_norm=arch == "Qwen3ForCausalLM", bias=arch == "Qwen2ForCausalLM") \
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") else {}
+    window only with use_sliding_window. (Qwen2Model / Qwen3Model: the same, without an LM head.)"""
+    family = arch.removesuffix("ForCausalLM").removesuffix("Model")
+    return qwen_fields(hf, qk_norm=family == "Qwen3", bias=family == "Qwen2") if family in ("Qwen2", "Qwen3") else {}
 
 
 def qwen_fields(hf: Mapping, qk_norm: bool, bias: bool) -> dict:

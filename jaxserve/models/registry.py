@@ -9,6 +9,9 @@
     Qwen3MoeForCausalLM          qwen3_moe    jaxserve.models.qwen3_moe
     MixtralForCausalLM           mixtral      jaxserve.models.mixtral
     GptOssForCausalLM            gpt_oss      jaxserve.models.gpt_oss
+    LlamaModel, Qwen3Model, ...  (the same)   bare decoders: embedders, no LM head (pooling)
+    BertModel, XLMRobertaForSequenceClassification, ...   bert / roberta   jaxserve.models.bert
+                                 encoders (pooling only): `_ENCODERS`, with the task each is made for
 
 Each module defines `FAMILY`, a `ModelFamily`: the family's config reader (its fields of
 ModelConfig from config.json), its parameter shapes, its weight-name map (our layer leaf ->
@@ -63,7 +66,38 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "jaxserve.models.qwen3_moe"),
     "MixtralForCausalLM": ("mixtral", "jaxserve.models.mixtral"),
     "GptOssForCausalLM": ("gpt_oss", "jaxserve.models.gpt_oss"),
+    # bare decoders (what sentence-transformers saves for an embedder: no LM head, names without
+    # `model.`): the same families, served as pooling models (jaxserve/pooling/config.py)
+    "LlamaModel": ("llama", "jaxserve.models.llama"),
+    "MistralModel": ("mistral", "jaxserve.models.llama"),
+    "Qwen2Model": ("qwen2", "jaxserve.models.llama"),
+    "Qwen3Model": ("qwen3", "jaxserve.models.llama"),
 }
+# architectures without an LM head: their embedding table stands in for it (never sampled from)
+HEADLESS_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# encoders (bidirectional, whole prompts, no KV cache): pooling models only, served by the encoder
+# runner over jaxserve.models.bert; architecture -> (family, task the checkpoint class is made for)
+_ENCODERS: dict[str, tuple[str, str]] = {
+    "BertModel": ("bert", "embed"),
+    "BertForSequenceClassification": ("bert", "classify"),
+    "RobertaModel": ("roberta", "embed"),
+    "RobertaForSequenceClassification": ("roberta", "classify"),
+    "XLMRobertaModel": ("roberta", "embed"),
+    "XLMRobertaForSequenceClassification": ("roberta", "classify"),
+}
+
+
+def encoder_architectures() -> dict[str, tuple[str, str]]:
+    """The registered encoders: architecture -> (family, task)."""
+    return _ENCODERS
+
+
+def register_encoder(architecture: str, family: str, task: str) -> None:
+    """Serve `architecture` as an encoder of `family` ("bert" or "roberta": its layout in models/bert.py)."""
+    if family not in ("bert", "roberta") or task not in ("embed", "classify"):
+        raise ValueError(f"register_encoder: family must be bert or roberta and task embed or classify; "
+                         f"got {family!r}, {task!r}")
+    _ENCODERS[architecture] = (family, task)
 
 
 def register_model(architecture: str, family: str, module: str) -> None:
@@ -94,8 +128,10 @@ def resolve_architecture(hf: Mapping, source: str = "config.json") -> str:
     archs = list(hf.get("architectures") or [])
     arch = next((a for a in archs if a in _ARCHITECTURES), None)
     if arch is None:
-        raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; "
-                         f"supported: {', '.join(_ARCHITECTURES)}")
+        encoder = next((a for a in archs if a in _ENCODERS), None)
+        hint = f" ({encoder} is an encoder: serve it with --runner pooling)" if encoder else ""
+        raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}{hint}; "
+                         f"supported: {', '.join(_ARCHITECTURES)}; encoders (pooling): {', '.join(_ENCODERS)}")
     return arch
 
 

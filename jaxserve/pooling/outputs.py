@@ -14,10 +14,12 @@ class PoolingOutput:
 
 @dataclass
 class PoolingRequestOutput:
+    """One pooling request's result (LLMEngine.step / AsyncLLM.encode), as vLLM's."""
     request_id: str
-    outputs: PoolingOutput
+    outputs: PoolingOutput | None  # None when aborted
     prompt_token_ids: list[int]
     finished: bool = True
+    aborted: bool = False  # ended before its step (abort, shutdown): no result
 
 
 @dataclass

@@ -89,15 +89,17 @@ def read_quantization(model_dir: Path, requested: str | None) -> QuantSpec | Non
     return detect(_read_json(model_dir / "config.json"), requested)
 
 
-def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
-                         place_leaf: PlaceFn | None = None, quant: QuantSpec | None = None,
-                         expert_bits: bool = False) -> Params:
-    if quant is not None:  # before any tensor is read
-        check_quantization(cfg, quant.method, quant.scheme)
+def tensor_reader(model_dir: Path):
+    """(get, names) over the directory's safetensors files: `get(name)` reads one tensor onto this
+    process's host CPU device (KeyError for a name no file holds). A bare model saved without the
+    `model.` prefix (sentence-transformers' decoder embedders) answers the prefixed names too.
+    The one safetensors reader of the project: the loaders of every kind read through it."""
     files = _tensor_files(model_dir)
     handles: dict[Path, object] = {}
 
     def get(name: str):
+        if name not in files and name.startswith("model.") and name[len("model."):] in files:
+            name = name[len("model."):]
         if name not in files:
             raise KeyError(name)
         f = files[name]
@@ -115,6 +117,15 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
         except Exception as e:
             raise ValueError(f"{f}: cannot read tensor {name!r} ({e})") from None
 
+    return get, frozenset(files)
+
+
+def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, progress: bool = True,
+                         place_leaf: PlaceFn | None = None, quant: QuantSpec | None = None,
+                         expert_bits: bool = False) -> Params:
+    if quant is not None:  # before any tensor is read
+        check_quantization(cfg, quant.method, quant.scheme)
+    get, _ = tensor_reader(model_dir)
     # mxfp4 (gpt-oss) quantizes MoE experts only: the Linears read here are float.
     linear = None if quant is None or quant.scheme == "mxfp4" else linear_reader(quant, get, dtype)
     return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear, expert_bits)

@@ -32,6 +32,8 @@ from jaxserve.worker.programs import (_copy_blocks, _fetch, _gather_blocks, _gat
                                       _model_step_fn, _prompt_logprobs_step, _rows_like, _sample_step,
                                       _scatter_blocks, StepPrograms, num_compilations)
 from jaxserve.parallel.jit import fresh_jit
+from jaxserve.worker.step_rows import (PROMPT_LOGPROB_ROWS, PromptLogprobChunk, in_chunks,  # noqa: F401
+                                       pooling_chunks, prompt_logprob_chunks)
 from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, step_grids, step_seq_buckets,
                                          step_token_buckets)
 from jaxserve.sample.sampler import SamplerOutput, vocab_slices
@@ -44,7 +46,6 @@ from jaxserve.weights.loader import LoadedModel
 from jaxserve.lora import layers as lora_layers
 from jaxserve.lora.manager import LoRAManager, SlotTable
 
-PROMPT_LOGPROB_ROWS = 64  # prompt positions per prompt-logprobs program call
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -68,13 +69,6 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
-class PromptLogprobChunk:
-    rows: np.ndarray  # [PROMPT_LOGPROB_ROWS] i32, flat rows of this step's tokens, 0 padded
-    targets: np.ndarray  # [PROMPT_LOGPROB_ROWS] i32, the next prompt token at each row
-    entries: list[tuple[str, int, int, int]]  # (request id, prompt position, target id, top-N) per real row
-
-
-@dataclass(frozen=True)
 class PreparedStep:
     """One step's device work as plain host data (numpy, ints, strings): picklable, so rank 0 of a
     multi-host run can send it to the other ranks, which replay it with `ModelRunner.run`."""
@@ -90,6 +84,10 @@ class PreparedStep:
     # (request id, top-N logprobs, draft index) per row; draft index 0: the row of the last real
     # token, j > 0: the row after the request's j-th speculative draft
     sample_ids: list[tuple[str, int, int]] = field(default_factory=list)
+    # prefill-only (pooling) requests: the flat rows of their hidden states the host pools, in
+    # chunks of PROMPT_LOGPROB_ROWS (0 padded), and (request id, number of rows) in their order
+    pooling_rows: list[np.ndarray] = field(default_factory=list)
+    pooling_ids: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def has_device_work(self) -> bool:
@@ -102,9 +100,16 @@ class PendingStep:
     prepared: PreparedStep
     prompt_logprobs: dict[str, dict[int, SampledToken]] = field(default_factory=dict)
     sampled: SamplerOutput | None = None  # device arrays until result()
+    pooled: list[jax.Array] = field(default_factory=list)  # [PROMPT_LOGPROB_ROWS, hidden] per pooling chunk
 
     def result(self) -> ModelOutput:
         out = ModelOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.pooled:  # each pooling request's hidden rows [n, hidden] f32; the engine pools them
+            rows = np.concatenate([np.asarray(r, np.float32) for r in _fetch(self.pooled)])
+            start = 0
+            for rid, n in self.prepared.pooling_ids:
+                out.pooled[rid] = rows[start:start + n]
+                start += n
         if self.sampled is None:
             return out
         so = _fetch(self.sampled)
@@ -119,8 +124,13 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model: LoadedModel, rc: RunnerConfig, mesh: Mesh | None = None, pipeline=None,
-                 lora: LoRAManager | None = None, lora_dtype=None) -> None:
+                 lora: LoRAManager | None = None, lora_dtype=None, pooling_rows: str | None = None) -> None:
+        """`pooling_rows` (a pooling model's runner; None: a generation model's): which hidden rows of a
+        prefill-only request the step hands back, "first", "last" or "all" of its prompt (what its
+        pooler reads; jaxserve/pooling/pooler.py). Such a runner samples nothing, so its warm-up
+        compiles one sampler program (the one that places the model step's inputs), not every variant."""
         self.model, self.rc, self.cfg = model, rc, model.config
+        self.pooling_rows = pooling_rows
         # sharded over `mesh` when there is one; with a `pipeline` (parallel/pipeline.py) its stages
         # hold the layers and the pool, and these are the last stage's params (the sampler's)
         self.params, self.pipeline = model.params, pipeline
@@ -180,6 +190,7 @@ class ModelRunner:
         jp = self.programs
         variants = [(s, md) for s in self.seq_buckets
                     for md in SamplingMetadata.warmup_variants(s, self.rc.max_model_len, self.num_mask_words)]
+        variants = variants[:1] if self.pooling_rows is not None else variants
         programs = [(t, False) for t in self.token_buckets[1:]] + [(t, True) for t in self.decode_buckets]
         total = 1 + len(programs) + len(variants) + (3 if self.host_kv is not None else 1)
         with tqdm(total=total, desc="Warm-up (compiling buckets)", unit="program", disable=not progress) as bar:
@@ -273,7 +284,7 @@ class ModelRunner:
                                   self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
-        prompt_lps = _prompt_logprob_chunks(out)
+        prompt_lps = prompt_logprob_chunks(out)
         infos, sample_ids = [], []
         for sr in out.scheduled:
             if not sr.sample:
@@ -285,6 +296,8 @@ class ModelRunner:
                                      outputs + drafts[:j] if j else outputs,
                                      min_tokens_suppress_ids(params, sr.num_output_tokens + j)))
                 sample_ids.append((sr.request_id, params.logprobs or 0, j))
+        if self.pooling_rows is not None:
+            ops["pooling_rows"], ops["pooling_ids"] = pooling_chunks(out, self.pooling_rows)
         if not infos:
             return PreparedStep(**ops, batch=batch, rows=rows, prompt_logprobs=prompt_lps)
         md = SamplingMetadata.build_host(infos, bucket_for(len(infos), self.seq_buckets), self.rc.max_model_len,
@@ -306,10 +319,12 @@ class ModelRunner:
             return PendingStep(p)
         self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows, self._prev_tokens)
         prompt_lps = self._prompt_logprobs(p.prompt_logprobs, full)
+        # (the gather program is the prompt logprobs' one: compiled per token bucket at warm-up)
+        pooled = [self._publish(self.programs.gather_rows(full, rows)) for rows in p.pooling_rows]
         if p.sampling is None:
-            return PendingStep(p, prompt_lps)
+            return PendingStep(p, prompt_lps, pooled=pooled)
         so, self._prev_tokens = self._sample_step(self.params, hidden, self._input(p.sampling))
-        return PendingStep(p, prompt_lps, self._publish(so))
+        return PendingStep(p, prompt_lps, self._publish(so), pooled)
 
     def _write_lora(self, slot: int, lora_id: int | None) -> None:
         """Adapter `lora_id`'s host copy (None: zeros) into device slot `slot`: a device update, no compile."""
@@ -337,7 +352,7 @@ class ModelRunner:
             self._swap_out(p.swap_out)
         if p.swap_in:
             self._swap_in(p.swap_in)
-        for chunk in _chunks(p.copy_blocks, self.copy_width):
+        for chunk in in_chunks(p.copy_blocks, self.copy_width):
             src, dst = self._pad_pairs(chunk)
             self.kv = self._copy_blocks(self.kv, src, dst)
 
@@ -349,7 +364,7 @@ class ModelRunner:
 
     def _swap_out(self, pairs: list[tuple[int, int]]) -> None:
         assert self.host_kv is not None, "swap_out without a host pool"
-        for chunk in _chunks(pairs, self.copy_width):
+        for chunk in in_chunks(pairs, self.copy_width):
             dev, _ = self._pad_pairs(chunk)
             k, v = _fetch(self.programs.gather_blocks(self.kv, dev))
             host_ids = [c for _, c in chunk]
@@ -358,7 +373,7 @@ class ModelRunner:
 
     def _swap_in(self, pairs: list[tuple[int, int]]) -> None:
         assert self.host_kv is not None, "swap_in without a host pool"
-        for chunk in _chunks(pairs, self.copy_width):
+        for chunk in in_chunks(pairs, self.copy_width):
             host_ids = [c for c, _ in chunk]
             dev = np.full(self.copy_width, self.rc.num_blocks, np.int32)
             dev[: len(chunk)] = [d for _, d in chunk]
@@ -383,28 +398,6 @@ def _with_lora_slots(params: dict, cfg, lora: LoRAManager, dtype, mesh: Mesh | N
     return {**params, "lora_owner": owner, "layers": {**params["layers"], "lora": slots}}
 
 
-def _prompt_logprob_chunks(out: SchedulerOutput) -> list[PromptLogprobChunk]:
-    """Which of this step's rows score prompt tokens 1.. for requests that asked, in program-sized chunks."""
-    wanted = []  # (request id, prompt position of the target token, flat row, target id, top-N)
-    row = 0
-    for sr in out.scheduled:
-        prompt, n = sr.prompt_token_ids, sr.sampling_params.prompt_logprobs
-        if n is not None:
-            for j in range(len(sr.token_ids)):
-                pos = sr.start_pos + j
-                if pos + 1 < len(prompt):
-                    wanted.append((sr.request_id, pos + 1, row + j, prompt[pos + 1], n))
-        row += len(sr.token_ids)
-    chunks = []
-    for chunk in _chunks(wanted, PROMPT_LOGPROB_ROWS):
-        rows = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-        targets = np.zeros(PROMPT_LOGPROB_ROWS, np.int32)
-        rows[: len(chunk)] = [c[2] for c in chunk]
-        targets[: len(chunk)] = [c[3] for c in chunk]
-        chunks.append(PromptLogprobChunk(rows, targets, [(rid, pos, tok, n) for rid, pos, _, tok, n in chunk]))
-    return chunks
-
-
 def _head_slices(params, mesh: Mesh | None, pipeline) -> int:
     """The sampler's vocabulary slices (sampler.sample_greedy_in_slices) for this model: on a CPU,
     one device, with a tied float head or a float or per-channel int8 lm_head, whose vocabulary
@@ -420,10 +413,6 @@ def _sampled(so: SamplerOutput, i: int, token_id: int, num_top: int) -> SampledT
     """Row i of a fetched SamplerOutput, with the top `num_top` logprobs (None when 0)."""
     top = [(int(a), float(b)) for a, b in zip(so.top_ids[i, :num_top], so.top_logprobs[i, :num_top])]
     return SampledToken(token_id, float(so.logprobs[i]), top or None, int(so.ranks[i]))
-
-
-def _chunks(items: list, size: int) -> list[list]:
-    return [items[i:i + size] for i in range(0, len(items), size)]
 
 
 def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:

@@ -32,7 +32,7 @@ from jaxserve.entrypoints.openai.openapi import build_openapi
 from jaxserve.entrypoints.openai.operator_routes import server_app
 from jaxserve.entrypoints.openai.serving_chat import ServingChat, load_chat_template
 from jaxserve.entrypoints.openai.serving_completion import ServingCompletion
-from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, wrong_runner
+from jaxserve.entrypoints.openai.serving_pooling import POOLING_ROUTES, pooling_routes, wrong_runner
 from jaxserve.entrypoints.openai.serving_lora import lora_routes, register_lora_modules
 
 logger = logging.getLogger("jaxserve.api_server")
@@ -66,12 +66,14 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
     async def openapi_endpoint(request: Request) -> Response:
         return JSONResponse(openapi)
 
-    routes = [
-        Route("/v1/completions", _endpoint(create_completion), methods=["POST"]),
-        Route("/v1/chat/completions", _endpoint(create_chat_completion), methods=["POST"]),
-        Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"]),
-    ] + lora_routes(engine, read_json, _endpoint, max_body_bytes)
-    routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
+    routes = [Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"])]
+    routes += lora_routes(engine, read_json, _endpoint, max_body_bytes)
+    if getattr(engine, "runner_kind", "generate") == "pooling":  # embeddings, scores: serving_pooling.py
+        routes += pooling_routes(engine, metrics, max_body_bytes, max_num_queued_reqs)
+    else:
+        routes += [Route("/v1/completions", _endpoint(create_completion), methods=["POST"]),
+                   Route("/v1/chat/completions", _endpoint(create_chat_completion), methods=["POST"])]
+        routes += [Route(path, _endpoint(_refuse_pooling(path)), methods=["POST"]) for path in POOLING_ROUTES]
     return server_app(routes, engine, chat, metrics, state, max_body_bytes=max_body_bytes, api_key=api_key,
                       protect_metrics=protect_metrics, max_header_bytes=max_header_bytes)
 
@@ -120,8 +122,6 @@ def run_server(config: cli_args.ServeConfig) -> int:
     from jaxserve.engine import multihost
     from jaxserve.engine.async_llm import AsyncLLM  # JAX and the model load only when serving
 
-    if _is_pooling(config.engine):
-        return _run_pooling_server(config)
     background = not multihost.is_enabled(config.engine)  # multi-host start-up stays on the main thread
     if not background:  # --num-hosts: rank 0 serves and schedules, the others follow
         multihost.initialize(config.engine)
@@ -159,47 +159,31 @@ def run_server(config: cli_args.ServeConfig) -> int:
     return code
 
 
-def _is_pooling(args: EngineArgs) -> bool:
-    from jaxserve.pooling.config import read_pooling_info
-    from jaxserve.weights.loader import resolve_model_path
+def _check_runner(config: cli_args.ServeConfig) -> None:
+    """Before binding: --runner generate on a pooling model (and the like), or a flag that does not
+    apply to a pooling model, is a usage error naming it, not a traceback after loading."""
+    from jaxserve.engine.pooling import is_encoder, pooling_info, refuse_flags
 
-    return read_pooling_info(resolve_model_path(args.model), args.runner, args.convert,
-                             args.override_pooler_config).runner == "pooling"
-
-
-def _check_runner(args: EngineArgs) -> None:
-    """--runner generate on a pooling model (and the like): a usage error, not a traceback."""
     try:
-        _is_pooling(args)
+        info = pooling_info(config.engine)
     except FileNotFoundError:
-        pass  # the model is missing: loading it says so
-
-
-def _run_pooling_server(config: cli_args.ServeConfig) -> int:
-    """--runner pooling (or a pooling model under auto): /v1/embeddings, /score, /rerank (serving_pooling.py)."""
-    from jaxserve.entrypoints.openai.serving_pooling import build_pooling_app
-    from jaxserve.pooling.engine import AsyncPoolingLLM
-
-    start = time.monotonic()
-    engine = AsyncPoolingLLM.from_engine_args(config.engine)
-    logger.info("pooling model %s: max_model_len %d; loaded and warmed up in %.1f s; %s", engine.model_name,
-                engine.max_model_len, time.monotonic() - start, engine.startup_report())
-    try:
-        server, state = config.server, lifecycle.ServerState()
-        app = build_pooling_app(engine, api_key=server.api_key, max_body_bytes=server.max_request_body_bytes,
-                                state=state, protect_metrics=server.api_key_protects_metrics,
-                                max_header_bytes=server.max_request_header_bytes)
-        return lifecycle.serve(app, engine, state, host=server.host, port=server.port,
-                               log_level=server.uvicorn_log_level, shutdown_timeout=server.shutdown_timeout)
-    finally:
-        engine.shutdown()
+        return  # the model is missing: loading it says so
+    if info is None:
+        return
+    refuse_flags(config.engine, is_encoder(info))
+    server = config.server
+    for flag, given in (("enable_auto_tool_choice", server.enable_auto_tool_choice),
+                        ("reasoning_parser", server.reasoning_parser), ("lora_modules", server.lora_modules)):
+        if given:
+            raise ValueError(f"{flag}: does not apply to a pooling model (embeddings, scores): "
+                             f"remove --{flag.replace('_', '-')}")
 
 
 def run_from_namespace(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Shared by `jaxserve serve` and `python -m ...api_server`: flags -> ServeConfig -> run_server."""
     try:
         config = cli_args.resolve(ns)
-        _check_runner(config.engine)
+        _check_runner(config)
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

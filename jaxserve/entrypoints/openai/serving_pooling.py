@@ -1,9 +1,9 @@
-"""The pooling routes (vLLM's shapes): /v1/embeddings, /score, /rerank (+ /v1, /v2), /classify; the
-operators' routes (/metrics, /tokenize, /detokenize, /v1/models, /health, /version) are the generate
-server's (operator_routes.py).
+"""The pooling routes (vLLM's shapes): /v1/embeddings, /score, /rerank (+ /v1, /v2), /classify, served
+by build_app (api_server.py) when the engine's runner kind is "pooling", beside the routes every
+server has (operator_routes.py) and with the same middleware, overload check and lifecycle.
 
-    body --read_json--> request --tokenize (worker thread)--> engine.pool (batched with every other
-    request in flight) --postprocess + JSON encode (worker thread)--> response
+    body --read_json--> request --tokenize (worker thread)--> AsyncLLM.encode per input (batched by
+    the scheduler with every request in flight) --postprocess + JSON encode (worker thread)--> response
 
 Tokenizing and serializing run in worker threads, so the event loop keeps accepting requests and
 the engine thread only runs device steps. On a generate server these routes are a 400 naming the
@@ -19,14 +19,14 @@ import uuid
 import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from jaxserve.entrypoints.openai import lifecycle
+from jaxserve.engine.exceptions import RequestAbortedError
 from jaxserve.entrypoints.openai.errors import OpenAIError
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
+from jaxserve.entrypoints.openai.serving_engine import BaseServing
 from jaxserve.pooling import io
 
 POOLING_ROUTES = ("/v1/embeddings", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/classify")
@@ -71,38 +71,62 @@ def wrong_runner(runner: str, path: str) -> OpenAIError:
                        f"needs a model that runs with --runner {other}", status=400, code="wrong_runner")
 
 
-class ServingPooling:
+class ServingPooling(BaseServing):
+    """The pooling routes over an AsyncLLM (or its data-parallel front) of runner kind "pooling"."""
+
     def __init__(self, engine, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.core = engine.engine  # PoolingEngine: tokenizer, info, task
-        self.info = self.core.info
+        super().__init__(engine, metrics)
+        core = engine.core_engine  # an LLMEngine: the model's facts (every replica has the same)
+        self.info, self.max_model_len = core.pooling_info, engine.max_model_len
+        self.task = self.info.task or "embed"
+        self.num_labels = getattr(core.model.config, "num_labels", 0)
+        self.id2label = getattr(core.model.config, "id2label", ())
+        self.dimension = core.pooler.dimension(core.model.config.hidden_size)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.engine.model_name:
-            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
-                              code="model_not_found")
+        if super().check_model(model) is not None:  # a LoRA adapter's name (refused at start-up anyway)
+            raise OpenAIError(f"The model `{model}` is an adapter; pooling models take none", param="model",
+                              code="invalid_value")
 
     async def _pool(self, tokenized: list[io.TokenizedInput]) -> list[np.ndarray]:
-        """Each input's raw row; every input is one engine request, counted in /metrics as it finishes."""
-        return await self.engine.pool(tokenized, on_finished=self.metrics and self.metrics.observe_pooled)
+        """Each input's result row; every input is one engine request (the scheduler batches them with
+        every other request in flight), counted in /metrics as it finishes."""
+        self.check_overload()
+        base = f"pool-{uuid.uuid4().hex}"
+
+        async def one(i: int, ids: list[int], types: list[int] | None) -> np.ndarray:
+            start = time.monotonic()
+            try:
+                out = await self.engine.encode(ids, f"{base}-{i}", token_type_ids=types)
+            except RequestAbortedError as e:
+                raise OpenAIError(str(e), status=503, code="request_aborted") from None
+            if self.metrics is not None:
+                self.metrics.observe_pooled(len(ids), time.monotonic() - start)
+            return out.outputs.data
+
+        if len(tokenized) == 1:  # registered before the first await: a burst's next request counts it
+            return [await one(0, *tokenized[0])]
+        tasks = [asyncio.ensure_future(one(i, ids, types)) for i, (ids, types) in enumerate(tokenized)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:  # one input failed (or the client left): the others are dropped, not left running
+            for t in tasks:
+                t.cancel()
 
     def _tokenize(self, inputs: list, truncate: int | None, add_special_tokens: bool = True) -> list[io.TokenizedInput]:
-        core = self.core
-        return io.tokenize(core.tokenizer, inputs, truncate, core.max_model_len, len(core.tokenizer),
-                           add_special_tokens)
+        return io.tokenize(self.tokenizer, inputs, truncate, self.max_model_len, len(self.tokenizer),
+                           add_special_tokens, self.info.do_lower_case)
 
     async def embeddings(self, req: EmbeddingRequest) -> Response:
         self.check_model(req.model)
-        if self.core.task != "embed":
+        if self.task != "embed":
             raise OpenAIError("/v1/embeddings needs an embedding model; this one classifies (use /score, /rerank "
                               "or /classify, or --convert embed)", code="wrong_task")
         if req.encoding_format not in ("float", "base64"):
             raise OpenAIError(f"encoding_format must be float or base64, got {req.encoding_format!r}",
                               param="encoding_format", code="invalid_value")
         inputs = io.as_inputs(req.input)
-        hidden = self.core.model.cfg.hidden_size
-        io.check_dimensions(self.info, req.dimensions, hidden)
+        io.check_dimensions(self.info, req.dimensions, self.dimension)
         tokenized = await asyncio.to_thread(self._tokenize, inputs, req.truncate_prompt_tokens, req.add_special_tokens)
         rows = await self._pool(tokenized)
         num_tokens = sum(len(t) for t, _ in tokenized)
@@ -115,20 +139,19 @@ class ServingPooling:
                      "embedding": io.encode_embedding(io.embedding(r, req.dimensions, normalize), req.encoding_format)}
                     for i, r in enumerate(rows)]
             body = {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                    "model": self.engine.model_name, "data": data,
+                    "model": self.response_model(req.model), "data": data,
                     "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
             return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
         return Response(await asyncio.to_thread(render), media_type="application/json")
 
     async def _scores(self, firsts: list[str], seconds: list[str], truncate: int | None) -> tuple[list[float], int]:
-        core = self.core
-        if core.task == "classify":
-            if core.num_labels != 1:
-                raise OpenAIError(f"scoring needs a cross-encoder with one label; this model has {core.num_labels}",
+        if self.task == "classify":
+            if self.num_labels != 1:
+                raise OpenAIError(f"scoring needs a cross-encoder with one label; this model has {self.num_labels}",
                                   code="wrong_task")
-            tokenized = await asyncio.to_thread(io.tokenize_pairs, core.tokenizer, firsts, seconds,
-                                                truncate or core.max_model_len)
+            tokenized = await asyncio.to_thread(io.tokenize_pairs, self.tokenizer, firsts, seconds,
+                                                truncate or self.max_model_len, self.info.do_lower_case)
             rows = await self._pool(tokenized)
             act = self.info.score_activation and self.info.pooler.activation
             return [float(io.probabilities(r, act)[0]) for r in rows], sum(len(t) for t, _ in tokenized)
@@ -144,7 +167,7 @@ class ServingPooling:
         firsts, seconds = io.pair_lists(req.text_1, req.text_2)
         scores, num_tokens = await self._scores(firsts, seconds, req.truncate_prompt_tokens)
         body = {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                "model": self.engine.model_name,
+                "model": self.response_model(req.model),
                 "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
                 "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}}
         return JSONResponse(body)
@@ -160,18 +183,17 @@ class ServingPooling:
         order = sorted(range(len(texts)), key=lambda i: -scores[i])[:req.top_n or len(texts)]
         results = [{"index": i, "document": {"text": texts[i]} if req.return_documents else None,
                     "relevance_score": scores[i]} for i in order]
-        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": self.engine.model_name,
+        body = {"id": f"rerank-{uuid.uuid4().hex}", "model": self.response_model(req.model),
                 "usage": {"total_tokens": num_tokens}, "results": results}
         return JSONResponse(body)
 
     async def classify(self, req: ClassificationRequest) -> Response:
         self.check_model(req.model)
-        core = self.core
-        if core.task != "classify":
+        if self.task != "classify":
             raise OpenAIError("/classify needs a classification model", code="wrong_task")
         tokenized = await asyncio.to_thread(self._tokenize, io.as_inputs(req.input), req.truncate_prompt_tokens)
         rows = await self._pool(tokenized)
-        labels = core.model.cfg.id2label
+        labels = self.id2label
         data = []
         for i, r in enumerate(rows):
             probs = io.probabilities(r, self.info.pooler.activation)
@@ -179,23 +201,19 @@ class ServingPooling:
                          "probs": probs.tolist(), "num_classes": len(probs)})
         num_tokens = sum(len(t) for t, _ in tokenized)
         return JSONResponse({"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-                             "model": self.engine.model_name, "data": data,
+                             "model": self.response_model(req.model), "data": data,
                              "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
 
 
-def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int = 16 * 1024 * 1024,
-                      state: lifecycle.ServerState | None = None, protect_metrics: bool = False,
-                      max_header_bytes: int = lifecycle.DEFAULT_MAX_HEADER_BYTES) -> Starlette:
-    """The ASGI app of a pooling engine (AsyncPoolingLLM), with the generate server's middleware."""
+def pooling_routes(engine, metrics: ServerMetrics, max_body_bytes: int, max_num_queued_reqs: int | None) -> list[Route]:
+    """The pooling routes of build_app (api_server.py) for a pooling engine; the generation routes
+    answer a 400 naming the runner."""
     from jaxserve.entrypoints.openai.http import _endpoint, read_json
-    from jaxserve.entrypoints.openai.operator_routes import server_app
-    from jaxserve.entrypoints.openai.serving_chat import ServingChat
 
-    metrics = ServerMetrics(engine)
-    state = state or lifecycle.ServerState()
     serving = ServingPooling(engine, metrics)
+    serving.max_num_queued_reqs = max_num_queued_reqs
 
-    def route(path: str, model: type[BaseModel], method):
+    def route(path: str, model: type[BaseModel], method) -> Route:
         async def handler(request: Request) -> Response:
             return await method(await read_json(request, model, max_body_bytes))
         return Route(path, _endpoint(handler), methods=["POST"])
@@ -209,7 +227,4 @@ def build_pooling_app(engine, *, api_key: str | None = None, max_body_bytes: int
     routes += [route(p, ScoreRequest, serving.score) for p in ("/score", "/v1/score")]
     routes += [route(p, RerankRequest, serving.rerank) for p in ("/rerank", "/v1/rerank", "/v2/rerank")]
     routes += [route("/classify", ClassificationRequest, serving.classify)]
-    routes += [refuse(p) for p in GENERATE_ROUTES]
-    return server_app(routes, engine, ServingChat(engine, metrics, None), metrics, state,
-                      max_body_bytes=max_body_bytes, api_key=api_key, protect_metrics=protect_metrics,
-                      max_header_bytes=max_header_bytes)
+    return routes + [refuse(p) for p in GENERATE_ROUTES]
