@@ -156,7 +156,11 @@ def test_engine_kernel_path_matches_xla_in_interpret_mode(tiny_adapters, monkeyp
     got, got_lps, kernel_calls = _generate(tiny_adapters, monkeypatch, use_kernel=True)
     assert xla_calls == 0 and kernel_calls > 0  # the steps of <= 64 tokens took their deltas from the kernel
     assert got == want
-    np.testing.assert_allclose(np.concatenate(got_lps), np.concatenate(want_lps), rtol=1e-5, atol=1e-5)
+    # The two paths sum a delta's products in other orders (the kernel: K in BLOCK_K chunks of float32
+    # elementwise products; XLA: one dot), and six greedy steps of this random model carry the rounding
+    # into later logits: measured up to 3.6e-4 when this test runs alone (it had passed at 1e-5 only in
+    # the suite's order). The XLA path's own parity with peft, 1e-4, is test_lora.py's.
+    np.testing.assert_allclose(np.concatenate(got_lps), np.concatenate(want_lps), rtol=0, atol=1e-3)
     assert want[0] != want[1] and want[2] != want[4]  # each adapter changes its prompt's tokens
 
 
