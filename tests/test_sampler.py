@@ -366,7 +366,8 @@ def test_greedy_head_in_vocabulary_slices_matches_the_whole_head():
                 for n in (0, 4)]
 
     whole, sliced = both([_row(SamplingParams(temperature=0.0)) for _ in range(num_rows)])
-    logits = hidden @ embed.T
+    logits = hidden.astype(np.float64) @ embed.T.astype(np.float64)
+    logits[:, 100] = logits[:, 3]  # the same column: a BLAS may round the two differently (seen on CI)
     np.testing.assert_array_equal(whole.token_ids, logits.argmax(-1))
     assert whole.token_ids[0] == whole.token_ids[1] == 3
     np.testing.assert_array_equal(sliced.token_ids, whole.token_ids)
