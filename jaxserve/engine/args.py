@@ -107,6 +107,10 @@ class EngineArgs:
     max_lora_rank: LoRARank = 16
     max_cpu_loras: Positive | None = None
     lora_dtype: LoRADtype = "auto"
+    # vLLM's --enable-sleep-mode: serve the dev routes /sleep, /wake_up, /is_sleeping, /pause, /resume
+    # (docs/serving.md). LLM.sleep()/wake_up() work without it: freeing and restoring costs nothing
+    # until they are called.
+    enable_sleep_mode: bool = False
 
     @model_validator(mode="after")
     def _check_together(self) -> "EngineArgs":

@@ -131,6 +131,8 @@ _HELP = {
     "max_cpu_loras": "adapters kept in host memory (None: max_loras)",
     "lora_dtype": "the adapters' device dtype; auto: the model's",
     "lora_modules": "adapters served at start-up: name=path or JSON {\"name\", \"path\", \"base_model_name\"}",
+    "enable_sleep_mode": ("serve the dev routes /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused "
+                          "(as VLLM_SERVER_DEV_MODE=1 does): free the KV pool and weights between RL steps"),
 }
 # Flags whose values are a set: EngineArgs' `Literal` fields add theirs (_field_types).
 _CHOICES: dict[str, tuple] = {"uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),

@@ -25,6 +25,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.entrypoints import cli_args
 from jaxserve.entrypoints.openai import protocol as p
 from jaxserve.entrypoints.openai.engine_client import EngineClient
+from jaxserve.entrypoints.openai.dev_routes import dev_routes
 from jaxserve.entrypoints.openai import lifecycle
 from jaxserve.entrypoints.openai.http import ApiKeyMiddleware, Handler, _endpoint, read_json  # noqa: F401
 from jaxserve.entrypoints.openai.metrics import ServerMetrics
@@ -68,6 +69,7 @@ def build_app(engine: EngineClient, *, api_key: str | None = None, chat_template
 
     routes = [Route("/openapi.json", _endpoint(openapi_endpoint), methods=["GET"])]
     routes += lora_routes(engine, read_json, _endpoint, max_body_bytes)
+    routes += dev_routes(engine, max_body_bytes)  # --enable-sleep-mode / VLLM_SERVER_DEV_MODE=1 only
     if getattr(engine, "runner_kind", "generate") == "pooling":  # embeddings, scores: serving_pooling.py
         routes += pooling_routes(engine, metrics, max_body_bytes, max_num_queued_reqs)
     else:
