@@ -38,6 +38,9 @@ class KVCacheManager:
         self._extra_keys: dict[str, int] = {}  # request id -> its LoRA adapter id, when not the base model
         # Leading blocks of each request already offered to the prefix cache.
         self._num_offered: dict[str, int] = {}
+        # Requests holding KV computed with weights since replaced (reset_prefix_cache(weights_changed=True)):
+        # their blocks never enter the cache, so no later request reuses KV of the old weights.
+        self._stale: set[str] = set()
 
     # -- queries ------------------------------------------------------------
     @property
@@ -87,7 +90,7 @@ class KVCacheManager:
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
         """Register the request's blocks that are now full of computed tokens."""
-        if not self.enable_caching or request_id not in self.req_to_blocks:
+        if not self.enable_caching or request_id not in self.req_to_blocks or request_id in self._stale:
             return
         table = self.req_to_blocks[request_id]
         num_full = min(num_computed_tokens // self.block_size, len(table))
@@ -143,6 +146,8 @@ class KVCacheManager:
         shared = self.req_to_blocks[parent_id][:self.blocks_needed(num_tokens)]
         self.block_pool.incref(shared)
         self.req_to_blocks[child_id] = list(shared)
+        if parent_id in self._stale:
+            self._stale.add(child_id)
         return list(shared)
 
     def free(self, request_id: str) -> None:
@@ -159,6 +164,15 @@ class KVCacheManager:
         self.free(request_id)
         self._block_hashes.pop(request_id, None)
         self._extra_keys.pop(request_id, None)
+        self._stale.discard(request_id)
+
+    def reset_prefix_cache(self, weights_changed: bool = False) -> None:
+        """Forget every cached block (vLLM's reset_prefix_cache). `weights_changed`: the requests that
+        hold KV now (on the device or swapped out) never offer their blocks to the cache later either,
+        since that KV was computed with the weights just replaced."""
+        self.block_pool.reset_prefix_cache()
+        if weights_changed:
+            self._stale.update(self.req_to_blocks, self.req_to_cpu_blocks)
 
     # -- swap ---------------------------------------------------------------
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:

@@ -44,6 +44,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
+from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
@@ -57,7 +58,7 @@ PromptType = str | list[int] | dict
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(pooling.PoolingRequests):
+class LLMEngine(pooling.PoolingRequests, WeightSync):  # WeightSync: get_weights, update_weights (RL)
     def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True,
                  mesh: Mesh | None = None, devices: Sequence[jax.Device] | None = None) -> None:
         """`mesh`: this replica's devices (axes data=1, model=tp); built from args when None.

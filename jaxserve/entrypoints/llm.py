@@ -76,6 +76,26 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    # ---- weights in and out, in process (RL; engine/weight_sync.py, docs/rl.md) ---------------------
+    def get_weights(self) -> dict:
+        """The served weights as {Hugging Face name: jax.Array}, unfused, in HF's layout."""
+        return self.llm_engine.get_weights()
+
+    def engine_params(self) -> dict:
+        """The engine's own param tree (stacked layers, [in, out]): update_weights adopts it with no copy."""
+        return self.llm_engine.engine_params()
+
+    def update_weights(self, weights: dict, *, version=None) -> None:
+        """Serve new weights from the next step: get_weights()' names (any subset) or engine_params()' tree."""
+        self.llm_engine.update_weights(weights, version=version)
+
+    def update_weights_from_disk(self, model_path: str, version=None) -> None:
+        """update_weights from an HF safetensors directory or a `jaxserve convert` checkpoint of this model."""
+        self.llm_engine.update_weights_from_disk(model_path, version=version)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.llm_engine.reset_prefix_cache()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,

@@ -134,6 +134,8 @@ class ModelRunner:
         # sharded over `mesh` when there is one; with a `pipeline` (parallel/pipeline.py) its stages
         # hold the layers and the pool, and these are the last stage's params (the sampler's)
         self.params, self.pipeline = model.params, pipeline
+        if mesh is None and pipeline is None:  # committed to their device (no copy), as an update's new arrays
+            self.params = jax.device_put(self.params, _device_of(self.params))  # are: else each recompiles
         self.programs = StepPrograms()  # this runner's own executables, freed by shutdown()
         programs = self.programs
         self.lora, self.lora_slots = lora, SlotTable(lora.max_loras) if lora is not None else None
@@ -396,6 +398,11 @@ def _with_lora_slots(params: dict, cfg, lora: LoRAManager, dtype, mesh: Mesh | N
         slots = lora_layers.shard_slots(slots, mesh, parallel.partition_plan(cfg, tp).specs["layers"])
         owner = jax.device_put(owner, NamedSharding(mesh, PartitionSpec()))
     return {**params, "lora_owner": owner, "layers": {**params["layers"], "lora": slots}}
+
+
+def _device_of(params) -> jax.Device:
+    """The one device a single-device model's params are on (the default device where they are uncommitted)."""
+    return next(iter(jax.tree.leaves(params)[0].devices()))
 
 
 def _head_slices(params, mesh: Mesh | None, pipeline) -> int:
