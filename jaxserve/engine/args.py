@@ -126,6 +126,9 @@ class EngineArgs:
         SpeculativeConfig.parse(self.speculative_config)  # ValueError naming the key
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_sleep_mode and (self.pipeline_parallel_size > 1 or self.num_hosts > 1):
+            raise ValueError("enable_sleep_mode: sleep covers one process's engine without pipeline stages "
+                             "(pipeline_parallel_size and num_hosts 1)")
         if self.enable_lora and self.pipeline_parallel_size > 1:
             raise ValueError("enable_lora: not supported with pipeline_parallel_size > 1")
         if self.max_logprobs > MAX_LOGPROBS:  # vLLM's -1 (no cap) included: see Differences from vLLM

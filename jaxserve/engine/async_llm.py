@@ -29,6 +29,7 @@ from jaxserve.engine.data_parallel import replica_engines
 from jaxserve.engine.exceptions import EngineDeadError, RequestAbortedError, RequestFailedError
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
+from jaxserve.engine.async_sleep import AsyncSleepMixin, DataParallelSleepMixin
 from jaxserve.pooling.outputs import PoolingRequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncSleepMixin):  # sleep, wake_up, pause_generation, resume_generation (engine/sleep.py)
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -92,6 +93,7 @@ class AsyncLLM:
             return
         text, token_ids = self.engine.encode_prompt(prompt)
         self.engine.validate(token_ids, sampling_params)
+        self.engine.check_has_weights()  # dropped by sleep(level=2) and not replaced: an error, not a wait
         self.engine.check_lora(lora_request)  # reads the adapter here, not on the engine thread
         q = self._open_stream(request_id)
         if (sampling_params.best_of or 1) > 1:  # each sample takes a running slot
@@ -264,7 +266,8 @@ class AsyncLLM:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if self.engine.has_unfinished_requests():
+                self._run_controls()  # sleep, wake_up, pause, resume: between steps
+                if self.engine.can_step():  # (paused or asleep: the requests wait)
                     self._step()
                     self._stats = self.engine.get_stats()
                 else:
@@ -278,10 +281,11 @@ class AsyncLLM:
                                                   "the server is shutting down")
                 for rid in list(self._streams):
                     self._deliver(rid, self.dead_error)
+        self._fail_controls()  # stopped or dead: no sleep/pause call waits forever
 
 
 # ---- data parallelism: M replicas (engine/data_parallel.py builds their engines) behind one front ----
-class DataParallelAsyncLLM:
+class DataParallelAsyncLLM(DataParallelSleepMixin):
     def __init__(self, replicas: list[AsyncLLM]) -> None:
         self.replicas = replicas
         first = replicas[0]

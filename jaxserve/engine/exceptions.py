@@ -6,6 +6,8 @@
                         that request alone ends with an error, the others carry on
     RequestAbortedError a pooling request aborted before its step (it has no partial result to
                         return, unlike a generation's finish_reason "abort")
+    EngineSleepingError generation asked of an engine asleep (or paused, or whose weights sleep
+                        level 2 dropped): the message says which call brings it back
 """
 
 from __future__ import annotations
@@ -31,3 +33,8 @@ class RequestAbortedError(RuntimeError):
         super().__init__(f"request {request_id} was aborted before it ran (the server is shutting down, "
                          "or the request was cancelled)")
         self.request_id = request_id
+
+
+class EngineSleepingError(RuntimeError):
+    """Generation asked of an engine that cannot run it now (engine/sleep.py): asleep, paused for a
+    blocking generate(), or its weights dropped by sleep(level=2) and not yet replaced."""

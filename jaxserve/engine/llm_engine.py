@@ -45,6 +45,7 @@ from jaxserve.core.scheduler_output import ModelOutput, SchedulerOutput
 from jaxserve.core.structured_output import StructuredOutputManager, validate_structured_outputs
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.weight_sync import WeightSync
+from jaxserve.engine.sleep import SleepMixin
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
@@ -58,7 +59,8 @@ PromptType = str | list[int] | dict
 log = logging.getLogger(__name__)
 
 
-class LLMEngine(pooling.PoolingRequests, WeightSync):  # WeightSync: get_weights, update_weights (RL)
+class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync: get_weights, update_weights (RL);
+    # SleepMixin: sleep, wake_up, pause_generation, resume_generation (engine/sleep.py)
     def __init__(self, args: EngineArgs, model: LoadedModel | None = None, progress: bool = True,
                  mesh: Mesh | None = None, devices: Sequence[jax.Device] | None = None) -> None:
         """`mesh`: this replica's devices (axes data=1, model=tp); built from args when None.
@@ -337,10 +339,9 @@ class LLMEngine(pooling.PoolingRequests, WeightSync):  # WeightSync: get_weights
         child_ids = [request_id] if params.best_of == 1 else [f"{request_id}#{i}" for i in range(params.best_of)]
         self.outputs.add(request_id, text, token_ids, params, child_ids, arrival)
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
-        for i, child_id in enumerate(child_ids):
-            self.scheduler.add_request(Request(child_id, list(token_ids), params, arrival, eos_token_ids=eos,
-                                               parent_id=child_ids[0] if i else None, seed=base_seed + i,
-                                               lora_int_id=lora_id))
+        for i, child_id in enumerate(child_ids):  # (_admit: held while generation is paused)
+            self._admit(Request(child_id, list(token_ids), params, arrival, eos_token_ids=eos,
+                                parent_id=child_ids[0] if i else None, seed=base_seed + i, lora_int_id=lora_id))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | PoolingRequestOutput]:
         outputs: list[RequestOutput | PoolingRequestOutput] = []
@@ -375,6 +376,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync):  # WeightSync: get_weights
         results are read, so the device never waits for the host's update and output work.
         With P pipeline stages, up to P steps are in flight, one per stage."""
         self._check_open()
+        if self.generation_blocked:  # paused or asleep (engine/sleep.py): nothing runs
+            return self._blocked_step()
         if self.fault_hook is not None:
             self.fault_hook(list(self.outputs.groups))
         out = self.scheduler.schedule()

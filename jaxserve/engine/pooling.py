@@ -84,6 +84,7 @@ def refuse_flags(args: EngineArgs, encoder: bool) -> None:
             "attention_backend": args.attention_backend not in ("auto", "xla"),
             "num_hosts": args.num_hosts > 1,
             "async_scheduling": args.async_scheduling is False,
+            "enable_sleep_mode": args.enable_sleep_mode,  # sleep frees a paged runner's pool and weights
         })
     given = [name for name, bad in refused.items() if bad]
     if given:

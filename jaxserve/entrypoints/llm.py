@@ -76,6 +76,20 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    # ---- sleep mode (vLLM's; engine/sleep.py): free the device between RL steps ---------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool and take the weights off the device: level 1 keeps them in host memory,
+        level 2 drops them (update_weights brings new ones). Generating while asleep is an error."""
+        self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Bring back "weights" and/or "kv_cache" (None: both; weights first, then the pool, lets an
+        update land before the pool is allocated). Nothing is recompiled."""
+        self.llm_engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping()
+
     # ---- weights in and out, in process (RL; engine/weight_sync.py, docs/rl.md) ---------------------
     def get_weights(self) -> dict:
         """The served weights as {Hugging Face name: jax.Array}, unfused, in HF's layout."""
@@ -131,6 +145,7 @@ class LLM:
                                                         use_tqdm)))
             return [results[i] for i in range(len(prompts))]
         engine = self.llm_engine
+        engine.check_can_generate()  # asleep, paused or without weights: an error, not a wait forever
         ids = []
         try:
             for prompt, p, lora in zip(prompts, params, loras):

@@ -13,7 +13,7 @@ import re
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
+from jaxserve.engine.exceptions import EngineDeadError, EngineSleepingError, RequestFailedError
 from jaxserve.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 
 _TYPE_BY_STATUS = {
@@ -80,6 +80,8 @@ def from_server_fault(exc: Exception) -> OpenAIError:
     """A 500 for a failure that is not the request's fault. The engine's own kinds keep their message
     (code: the kind); anything else says only its type: bodies never carry paths, addresses or
     tracebacks (the log has them)."""
+    if isinstance(exc, EngineSleepingError):  # asleep, or weights dropped by sleep level 2: says what wakes it
+        return OpenAIError(str(exc), status=503, code="engine_sleeping")
     if isinstance(exc, (EngineDeadError, RequestFailedError)):
         return OpenAIError(str(exc), status=500, code=type(exc).__name__)
     return OpenAIError(f"Internal server error ({type(exc).__name__})", status=500)

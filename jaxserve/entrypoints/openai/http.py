@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jaxserve.engine.exceptions import EngineDeadError, RequestFailedError
+from jaxserve.engine.exceptions import EngineDeadError, EngineSleepingError, RequestFailedError
 from jaxserve.entrypoints.openai.errors import (OpenAIError, from_server_fault, from_validation_error,
                                                from_value_error)
 
@@ -77,7 +77,7 @@ def _endpoint(handler: Handler) -> Handler:
             return exc.response()
         except ValueError as exc:
             return from_value_error(exc).response()
-        except (EngineDeadError, RequestFailedError) as exc:  # logged where they happened
+        except (EngineDeadError, RequestFailedError, EngineSleepingError) as exc:  # logged where they happened
             return from_server_fault(exc).response()
         except Exception as exc:  # noqa: BLE001  (the server must stay up)
             logger.exception("internal error on %s %s", request.method, request.url.path)
