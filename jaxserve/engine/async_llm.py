@@ -30,6 +30,7 @@ from jaxserve.engine.exceptions import EngineDeadError, RequestAbortedError, Req
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.outputs import RequestOutput
 from jaxserve.engine.async_sleep import AsyncSleepMixin, DataParallelSleepMixin
+from jaxserve.engine.weight_sync import AsyncWeightSync, DataParallelWeightSync
 from jaxserve.pooling.outputs import PoolingRequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.stats import EngineStats
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
-class AsyncLLM(AsyncSleepMixin):  # sleep, wake_up, pause_generation, resume_generation (engine/sleep.py)
+class AsyncLLM(AsyncSleepMixin, AsyncWeightSync):  # sleep, wake_up, pause_generation, resume_generation
+    # (engine/sleep.py); update_weights, update_weights_from_disk, reset_prefix_cache (engine/weight_sync.py)
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
@@ -285,7 +287,7 @@ class AsyncLLM(AsyncSleepMixin):  # sleep, wake_up, pause_generation, resume_gen
 
 
 # ---- data parallelism: M replicas (engine/data_parallel.py builds their engines) behind one front ----
-class DataParallelAsyncLLM(DataParallelSleepMixin):
+class DataParallelAsyncLLM(DataParallelSleepMixin, DataParallelWeightSync):
     def __init__(self, replicas: list[AsyncLLM]) -> None:
         self.replicas = replicas
         first = replicas[0]

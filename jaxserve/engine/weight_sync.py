@@ -22,6 +22,7 @@ on, on the new weights) never offer their blocks to it again.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -165,10 +166,12 @@ class WeightSync:
             top = leaf in TOP_LEVEL
             old = current[leaf] if top else current["layers"].get(leaf)
             layers = sorted(g.arrays, key=lambda i: -1 if i is None else i)
-            if isinstance(old, QuantizedWeight) and len(layers) < cfg.num_layers:
+            if not top and len(layers) < cfg.num_layers and not isinstance(old, jax.Array):
                 missing = next(i for i in range(cfg.num_layers) if i not in g.arrays)
-                raise ValueError(f"{inverse[(leaf, missing)]}: missing; a quantized engine requantizes "
-                                 f"layers/{leaf} whole, so give all {cfg.num_layers} layers of it")
+                why = ("a quantized engine requantizes it whole" if isinstance(old, QuantizedWeight) else
+                       "the engine's weights were dropped by sleep(level=2)")
+                raise ValueError(f"{inverse[(leaf, missing)]}: missing; {why}, so give all {cfg.num_layers} "
+                                 f"layers of layers/{leaf}")
             target = _float_target(old, current)
             arr, finite = self._assemble(g, old, layers, target, top, cfg.num_layers, dtype)
             flags.append((leaf, layers, finite))
@@ -345,3 +348,37 @@ def _part_sharding(target, ndim: int, transpose: bool, top: bool):
     spec = tuple(target.spec) + (None,) * (ndim - len(tuple(target.spec)))
     spec = spec if top else spec[1:]
     return NamedSharding(target.mesh, PartitionSpec(*(spec[::-1] if transpose else spec)))
+
+
+class AsyncWeightSync:
+    """AsyncLLM's weights API (`await engine.update_weights(...)`): each call runs on the engine thread
+    between two steps (AsyncLLM._control, engine/sleep.py), so no step sees half an update."""
+
+    async def update_weights(self, weights: Mapping, *, version: Any = None) -> None:
+        await self._control(lambda e: e.update_weights(weights, version=version))
+
+    async def update_weights_from_disk(self, model_path: str | Path, version: Any = None) -> None:
+        await self._control(lambda e: e.update_weights_from_disk(model_path, version=version))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self._control(lambda e: e.reset_prefix_cache())
+
+    async def get_weights(self) -> dict[str, jax.Array]:
+        return await self._control(lambda e: e.get_weights())
+
+    async def engine_params(self) -> dict:
+        return await self._control(lambda e: e.engine_params())
+
+
+class DataParallelWeightSync:
+    """The replicas' front: every replica takes the same update, each on its engine thread (they serve
+    the same model, so what one refuses the others refuse too)."""
+
+    async def update_weights(self, weights: Mapping, *, version: Any = None) -> None:
+        await asyncio.gather(*(r.update_weights(weights, version=version) for r in self.replicas))
+
+    async def update_weights_from_disk(self, model_path: str | Path, version: Any = None) -> None:
+        await asyncio.gather(*(r.update_weights_from_disk(model_path, version=version) for r in self.replicas))
+
+    async def reset_prefix_cache(self) -> bool:
+        return all(await asyncio.gather(*(r.reset_prefix_cache() for r in self.replicas)))

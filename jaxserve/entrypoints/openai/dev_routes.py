@@ -8,22 +8,26 @@
                                                 that arrive meanwhile wait for /resume
     POST /resume                                {"status": "resumed"}
     GET  /is_paused                             {"is_paused": bool}
+    POST /update_weights_from_disk              {"model_path": DIR, "version": V} (SGLang's): new weights
+                                                from an HF safetensors dir or a convert checkpoint
+    POST /reset_prefix_cache                    forget the prefix cache; 200, empty body
 
 Registered only with `--enable-sleep-mode` or `VLLM_SERVER_DEV_MODE=1` (these routes can drop the
 served weights), and behind `--api-key` like every route (server_app wraps them). A bad query value
-is a 400 naming it. Other dev routes (weights, prefix cache) append to `dev_routes`' list.
+is a 400 naming it.
 """
 
 from __future__ import annotations
 
 import os
 
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from jaxserve.entrypoints.openai.errors import OpenAIError
-from jaxserve.entrypoints.openai.http import Handler, _endpoint
+from jaxserve.entrypoints.openai.http import Handler, _endpoint, read_json
 
 DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "JAXSERVE_SERVER_DEV_MODE")
 PAUSE_MODES = ("abort", "wait", "keep")
@@ -101,11 +105,40 @@ def pause_routes(engine) -> list[Route]:
             Route("/is_paused", _endpoint(is_paused), methods=["GET"])]
 
 
+class UpdateWeightsFromDisk(BaseModel):
+    """SGLang's /update_weights_from_disk body: `version` (SGLang: `weight_version`) is kept as the
+    engine's weights_version."""
+    model_path: str
+    version: str | int | None = None
+    weight_version: str | int | None = None
+
+
+def weight_routes(engine, max_body_bytes: int) -> list[Route]:
+    """POST /update_weights_from_disk {"model_path": DIR, "version": V} (SGLang's name: an HF safetensors
+    directory or a `jaxserve convert` checkpoint of the served model; anything else is a 400 saying why,
+    the old weights kept) and POST /reset_prefix_cache (vLLM's). Both run on the engine thread between
+    steps (engine/weight_sync.py)."""
+
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await read_json(request, UpdateWeightsFromDisk, max_body_bytes)
+        version = body.version if body.version is not None else body.weight_version
+        await engine.update_weights_from_disk(body.model_path, version=version)
+        return JSONResponse({"success": True, "message": f"weights updated from {body.model_path}",
+                             "version": version})
+
+    async def reset_prefix_cache(request: Request) -> Response:
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    return [Route("/update_weights_from_disk", _endpoint(update_weights_from_disk), methods=["POST"]),
+            Route("/reset_prefix_cache", _endpoint(reset_prefix_cache), methods=["POST"])]
+
+
 def dev_routes(engine, max_body_bytes: int) -> list[Route]:
     """Every dev route, or none unless dev_mode_enabled(engine). `max_body_bytes` bounds JSON bodies."""
     if not dev_mode_enabled(engine):
         return []
-    routes = sleep_routes(engine) + pause_routes(engine)
+    routes = sleep_routes(engine) + pause_routes(engine) + weight_routes(engine, max_body_bytes)
     return routes
 
 
