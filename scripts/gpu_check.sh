@@ -128,6 +128,11 @@ stage step8b 90 "$PYTHON" scripts/gpu_step.py $STEP --backend $PALLAS
 [ -f scripts/gpu_quant.py ] && stage quant 60 "$PYTHON" scripts/gpu_quant.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 # The LoRA shrink/expand kernel against the XLA one-hot product (Llama-3.1-8B's projections, rank 16, 8 adapters)
 stage lora 60 "$PYTHON" scripts/gpu_lora.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
+# update_weights in process (issue 48), random weights, against one copy of the bytes (targets: < 0.18 s at
+# Qwen3-0.6B, TRL's figure on an H100; < 0.5 s at Llama-3.1-8B)
+UPD="--dtype bfloat16 --skip-numpy"; [ "$SMOKE" = 1 ] && UPD="--dtype float32 --reps 2"
+stage update06b 60 "$PYTHON" scripts/bench_update_weights.py $UPD --model $([ "$SMOKE" = 1 ] && echo tiny || echo qwen3-0.6b)
+stage update8b 90 "$PYTHON" scripts/bench_update_weights.py $UPD --model $([ "$SMOKE" = 1 ] && echo tiny || echo llama-3.1-8b)
 # (e) restart on the same cache, the other scheduling mode, then (f)
 stage llama8b_restart 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W2 --num-compare 0 --no-async-scheduling
 # FP8 weights (quantized on load, e4m3 per output channel, dynamic per-token activations) on the 1,000 requests
