@@ -138,8 +138,9 @@ def make_engine(path: Path, **kw):
     from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.llm_engine import LLMEngine
 
-    args = EngineArgs(model=str(path), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
-                      kv_cache_memory=1 << 20, compilation_cache_dir="", **{**EXACT, **kw})
+    base = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, kv_cache_memory=1 << 20,
+                compilation_cache_dir="")
+    args = EngineArgs(model=str(path), **{**base, **EXACT, **kw})
     return LLMEngine(args, progress=False)
 
 

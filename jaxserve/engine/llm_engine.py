@@ -48,6 +48,7 @@ from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.engine.sleep import SleepMixin
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.config import with_expert_parallel
+from jaxserve.models.longrope import for_max_model_len
 from jaxserve.quantization.quantize import ON_LOAD_METHODS, calibration_ids, quantize_params
 from jaxserve.weights import expert_bits
 from jaxserve.weights.loader import LoadedModel, load_model, load_tokenizer, resolve_dtype
@@ -135,6 +136,9 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             model = dataclasses.replace(model, params=params)
         if bf16_experts:  # a LoadedModel passed in, or a float32 checkpoint holding bfloat16 values
             model = expert_bits.with_bf16_experts(model)
+        # LongRoPE (Phi-3): one factor set for every request, chosen by the max_model_len served (models/longrope.py)
+        model = dataclasses.replace(model, config=for_max_model_len(model.config, EngineConfig.resolve(
+            args, model.config.max_position_embeddings, jax.default_backend()).max_model_len))
         self.model_dtype = model.params["embed"].dtype
         self.pipeline = self._pipeline(model, devices) if args.pipeline_parallel_size > 1 else None
         if self.pipeline is not None:  # the engine keeps the last stage's params: the sampler's

@@ -13,11 +13,11 @@ import math
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
-from jaxserve.models import registry
+from jaxserve.models import longrope, registry
 
 # architecture -> family name: a view of the registry, kept for the callers that list them
 SUPPORTED_ARCHITECTURES: dict[str, str] = {a: registry.family_name(a) for a in registry.supported_architectures()}
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
 ROUTERS = ("softmax_topk", "topk_softmax")
 # config.json's names for the number of routed experts, by family
 NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
@@ -95,6 +95,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # Mixture-of-Experts families only
+    # the attention's q.k scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    attn_scale: float | None = None
+    # Granite's scalars (1.0: none): the embeddings times embedding_multiplier, each sub-layer's output
+    # times residual_multiplier before its residual add, the logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head (Phi-4-mini)
 
     def __post_init__(self) -> None:
         registry.family_name(self.architecture)  # ValueError naming the supported ones
@@ -104,6 +112,8 @@ class ModelConfig:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"rope_scaling type {self.rope_type!r} is not supported; "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        if self.rope_type == "longrope":
+            longrope.check(self, int(self.head_dim * self.partial_rotary_factor))
         if self.rope_type == "yarn" and len(self.rope_scaling) != 6:
             raise ValueError("rope_scaling for yarn must be (factor, original_max_position_embeddings, beta_fast, "
                              f"beta_slow, truncate, attention_factor); got {self.rope_scaling}")
@@ -181,6 +191,8 @@ def _rope_from_hf(hf: Mapping) -> tuple[str, tuple[float, ...], float]:
     params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type in longrope.ROPE_TYPES:  # Phi-3's su, LongRoPE's first name
+        return "longrope", longrope.from_hf(hf, params), theta
     if rope_type == "llama3":
         scaling = (float(params["factor"]), float(params["low_freq_factor"]),
                    float(params["high_freq_factor"]), float(params["original_max_position_embeddings"]))

@@ -17,7 +17,10 @@ Params (weights stored [in, out] so activations multiply on the left):
       bq [L, nq*hd]  bk, bv [L, nkv*hd]               (attention_bias only)
       bo [L, hidden]  sinks [L, nq]  sliding [L]         (a family's: gpt-oss's o bias, attention
                                                           sinks, 1.0 where the layer's window slides)
-      q_norm, k_norm [L, hd]                             (qk_norm only)
+      q_norm, k_norm [L, hd]                             (qk_norm only; OLMo 2: [L, nq*hd], [L, nkv*hd],
+                                                          a norm over the whole projection)
+      attn_post_norm, mlp_post_norm [L, hidden]          (OLMo 2, in place of attn_norm / mlp_norm:
+                                                          each sub-layer's output normed before its residual)
       k_scale, v_scale [L]                   (a quantized checkpoint's fp8 KV scales, when it has them)
       w_gate, w_up [L, hidden, inter]  w_down [L, inter, hidden]
     final_norm   [hidden]
@@ -71,10 +74,13 @@ def project_qkv(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array,
     q, k, v = (lora.add(y, lp, name, x, lora_step, dots) for y, name in ((q, "wq"), (k, "wk"), (v, "wv")))
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    whole = cfg.qk_norm and lp["q_norm"].shape[-1] != cfg.head_dim
+    if whole:  # OLMo 2: q/k RMSNorm over the whole projection (all heads; under TP XLA sums across shards)
+        q, k = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps), rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
     k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:
+    if cfg.qk_norm and not whole:  # Qwen3: per head
         q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     scale = attention_scale(cfg)
@@ -91,13 +97,18 @@ def _attention_block(cfg: ModelConfig, backend: str, lp: dict[str, jax.Array], x
     if "k_scale" in lp:  # a checkpoint's fp8 KV scales: the pool holds k / k_scale and v / v_scale
         k, v, q = k / lp["k_scale"], v / lp["v_scale"], q * lp["k_scale"]
     k_cache, v_cache = attention.write_kv(backend, kv[0], kv[1], k, v, md, layer)
-    out = attention.attend(backend, q, k_cache, v_cache, md, layer, sm_scale=cfg.head_dim ** -0.5,
+    out = attention.attend(backend, q, k_cache, v_cache, md, layer, sm_scale=sm_scale(cfg),
                            sliding_window=layer_window(cfg, lp), sinks=lp.get("sinks"))
     if "v_scale" in lp:
         out = out * lp["v_scale"].astype(out.dtype)
     out = out.reshape(num_tokens, -1)
     out = lora.add(matmul(out, lp["wo"], dots), lp, "wo", out, lora_step, dots)
     return (out + lp["bo"] if "bo" in lp else out), (k_cache, v_cache)
+
+
+def sm_scale(cfg: ModelConfig) -> float:
+    """The attention's q.k scale: the config's (Gemma: query_pre_attn_scalar ** -0.5), else head_dim ** -0.5."""
+    return cfg.head_dim ** -0.5 if cfg.attn_scale is None else cfg.attn_scale
 
 
 def layer_window(cfg: ModelConfig, lp: dict) -> int | jax.Array | None:
@@ -121,13 +132,34 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
     bf16_dots_from: see run_layers. lora_slots [T] i32: each token's adapter slot (0: none), used when
     the params carry LoRA slots (params["lora_owner"], jaxserve/lora/layers.py).
     """
-    h = params["embed"][token_ids]  # [T, hidden]
+    h = embed(params, cfg, token_ids)  # [T, hidden]
     step = None
     if lora_slots is not None and "lora_owner" in params:  # the Pallas backends: decode-sized deltas by the kernel
         kernel = {"pallas": "pallas", attention.PALLAS_INTERPRET: "interpret"}.get(backend, "")
         step = lora.step_inputs(lora_slots, params["lora_owner"], kernel)
     kv_cache, h = run_layers(params["layers"], cfg, kv_cache, h, positions, md, backend, bf16_dots_from, step)
-    return kv_cache, rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return kv_cache, final_hidden(params, cfg, h)
+
+
+def embed(params: Params, cfg: ModelConfig, token_ids: jax.Array) -> jax.Array:
+    """The token ids' embeddings [T, hidden], times Granite's embedding_multiplier (in their dtype, as HF)."""
+    h = params["embed"][token_ids]
+    return h if cfg.embedding_multiplier == 1.0 else h * cfg.embedding_multiplier
+
+
+def final_hidden(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """The LM head's input: the final norm of h, divided by Granite's logits_scaling (the head is
+    linear, so its logits come out divided, as HF divides them)."""
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return h if cfg.logits_scaling == 1.0 else h / cfg.logits_scaling
+
+
+def _residual(cfg: ModelConfig, lp: dict, post_norm: str, h: jax.Array, out: jax.Array) -> jax.Array:
+    """h + a sub-layer's output: normed first where the layer has that post-norm leaf (OLMo 2), times
+    residual_multiplier (Granite)."""
+    if post_norm in lp:
+        out = rms_norm(out, lp[post_norm], cfg.rms_norm_eps)
+    return h + (out if cfg.residual_multiplier == 1.0 else out * cfg.residual_multiplier)
 
 
 def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], h: jax.Array,
@@ -154,23 +186,24 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
         h, k_cache, v_cache = carry
         lp, layer = xs
         lp = {**lp, **{k: LayerStack(v, layer, views.get(k)) for k, v in lazy.items()}}
+        # pre-norms where the layer has them (OLMo 2 has none: it norms each sub-layer's output instead)
+        x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else h
         attn_out, (k_cache, v_cache) = _attention_block(
-            cfg, backend, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions,
-            (k_cache, v_cache), md, layer, inv_freq, dots, lora_step)
-        h = h + attn_out
-        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+            cfg, backend, lp, x, positions, (k_cache, v_cache), md, layer, inv_freq, dots, lora_step)
+        h = _residual(cfg, lp, "attn_post_norm", h, attn_out)
+        x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps) if "mlp_norm" in lp else h
         if lora_step is None and ffn is dense_mlp:
-            h = h + dense_mlp(cfg, lp, x, dots)
+            out = dense_mlp(cfg, lp, x, dots)
         elif lora_step is None:  # a family's block, told the backend (MoE: the Pallas grouped matmul)
-            h = h + ffn(cfg, lp, x, dots, backend=backend, valid=md.slot_mapping >= 0)  # valid: no padding
+            out = ffn(cfg, lp, x, dots, backend=backend, valid=md.slot_mapping >= 0)  # valid: no padding
         elif ffn is dense_mlp:
-            h = h + dense_mlp(cfg, lp, x, dots, lora_step=lora_step)
+            out = dense_mlp(cfg, lp, x, dots, lora_step=lora_step)
         else:
             raise ValueError(f"enable_lora: LoRA adapters are supported on dense models; {cfg.architecture} "
                              "is a mixture of experts")
-        return (h, k_cache, v_cache), None
+        return (_residual(cfg, lp, "mlp_post_norm", h, out), k_cache, v_cache), None
 
-    num_layers = jax.tree.leaves(layers["attn_norm"])[0].shape[0]
+    num_layers = jax.tree.leaves(layers["wo"])[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
     (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
     return (k_cache, v_cache), h

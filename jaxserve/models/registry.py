@@ -9,6 +9,9 @@
     Qwen3MoeForCausalLM          qwen3_moe    jaxserve.models.qwen3_moe
     MixtralForCausalLM           mixtral      jaxserve.models.mixtral
     GptOssForCausalLM            gpt_oss      jaxserve.models.gpt_oss
+    Phi3ForCausalLM              phi3         jaxserve.models.phi3    (Phi-3, Phi-3.5, Phi-4; GGUF phi3)
+    Olmo2ForCausalLM             olmo2        jaxserve.models.olmo2
+    GraniteForCausalLM           granite      jaxserve.models.granite
     LlamaModel, Qwen3Model, ...  (the same)   bare decoders: embedders, no LM head (pooling)
     BertModel, XLMRobertaForSequenceClassification, ...   bert / roberta   jaxserve.models.bert
                                  encoders (pooling only): `_ENCODERS`, with the task each is made for
@@ -66,6 +69,9 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", "jaxserve.models.qwen3_moe"),
     "MixtralForCausalLM": ("mixtral", "jaxserve.models.mixtral"),
     "GptOssForCausalLM": ("gpt_oss", "jaxserve.models.gpt_oss"),
+    "Phi3ForCausalLM": ("phi3", "jaxserve.models.phi3"),
+    "Olmo2ForCausalLM": ("olmo2", "jaxserve.models.olmo2"),
+    "GraniteForCausalLM": ("granite", "jaxserve.models.granite"),
     # bare decoders (what sentence-transformers saves for an embedder: no LM head, names without
     # `model.`): the same families, served as pooling models (jaxserve/pooling/config.py)
     "LlamaModel": ("llama", "jaxserve.models.llama"),

@@ -1,4 +1,5 @@
-"""Rotary position embeddings in the HF (rotate-half) convention, with llama3, linear and YaRN scaling."""
+"""Rotary position embeddings in the HF (rotate-half) convention, with llama3, linear, YaRN and LongRoPE
+scaling, over the whole head or its first `partial_rotary_factor` part (Phi-4-mini)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,19 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models import longrope
 from jaxserve.models.config import ModelConfig
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """How many leading dims of each head rotate (transformers: int(head_dim * partial_rotary_factor))."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
 def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """[head_dim // 2] float64 inverse frequencies, scaled as the config says."""
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, cfg.head_dim, 2, dtype=np.float64) / cfg.head_dim))
+    """[rotary_dim // 2] float64 inverse frequencies, scaled as the config says."""
+    dim = rotary_dim(cfg)
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
     if cfg.rope_type == "linear":
         return inv / cfg.rope_scaling[0]
     if cfg.rope_type == "llama3":
@@ -25,6 +33,8 @@ def inv_frequencies(cfg: ModelConfig) -> np.ndarray:
         return np.where(wavelen > low_wavelen, inv / factor, np.where(wavelen < high_wavelen, inv, mid))
     if cfg.rope_type == "yarn":
         return _yarn(cfg, inv)
+    if cfg.rope_type == "longrope":
+        return inv / longrope.factors(cfg)
     return inv
 
 
@@ -33,7 +43,7 @@ def _yarn(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
     over the original context are interpolated (inv / factor), those rotating more than beta_fast
     times kept, a linear ramp between."""
     factor, old_len, beta_fast, beta_slow, truncate, _ = cfg.rope_scaling
-    dim = cfg.head_dim
+    dim = rotary_dim(cfg)
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
@@ -50,13 +60,19 @@ def _yarn(cfg: ModelConfig, inv: np.ndarray) -> np.ndarray:
 
 
 def attention_scale(cfg: ModelConfig) -> float:
-    """The factor transformers multiplies cos and sin by (YaRN's attention factor; 1 otherwise)."""
+    """The factor transformers multiplies cos and sin by (YaRN's and LongRoPE's attention factor; 1 otherwise)."""
+    if cfg.rope_type == "longrope":
+        return longrope.attention_factor(cfg)
     return cfg.rope_scaling[5] if cfg.rope_type == "yarn" else 1.0
 
 
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray, scale: float = 1.0) -> jnp.ndarray:
-    """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] i32; inv_freq: [head_dim//2] f32;
-    scale: attention_scale(cfg), multiplied into cos and sin as transformers does."""
+    """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] i32; inv_freq: [rotary_dim//2] f32;
+    scale: attention_scale(cfg), multiplied into cos and sin as transformers does. A rotary_dim short
+    of head_dim (partial_rotary_factor < 1) rotates the leading dims and passes the rest through."""
+    rot = 2 * inv_freq.shape[0]
+    if rot < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
     sin = jnp.sin(angles)[:, None, :]

@@ -49,10 +49,10 @@ def _stage_step_fn(params, kv, h, batch, rows, prev_tokens, *, cfg, backend, fir
     prev_tokens [P] i32: the previous step's sampled ids (async scheduling), as model_runner's step."""
     if first:
         token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
-        h = params["embed"][token_ids]
+        h = llama.embed(params, cfg, token_ids)
     kv, h = llama.run_layers(params["layers"], cfg, kv, h, batch.positions, batch.attn, backend)
     if last:
-        h = llama.rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+        h = llama.final_hidden(params, cfg, h)
         return kv, h[rows], h
     return kv, h
 

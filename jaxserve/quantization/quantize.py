@@ -124,6 +124,9 @@ def quantize_params(params: dict, cfg: ModelConfig, method: str, token_ids: np.n
     if cfg.moe is not None and method == "int8":
         raise ValueError(f"quantization: int8 (SmoothQuant) does not cover the experts of {cfg.architecture}; "
                          "use fp8 (attention and dense projections in e4m3, experts in the model dtype)")
+    if method == "int8" and "attn_norm" not in params["layers"]:
+        raise ValueError(f"quantization: int8 (SmoothQuant) folds its scales into the norm before each projection; "
+                         f"{cfg.architecture} norms the sub-layers' outputs instead; use fp8")
     dtype = params["embed"].dtype
     if method == "fp8":
         layers = {k: quantize_weight(v, "fp8") if k in LINEAR_LEAVES else v for k, v in params["layers"].items()}

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
+from jaxserve.weights import gguf_families
 from jaxserve.weights.assemble import PlaceFn, assemble_params
 
 if TYPE_CHECKING:  # the gguf package is imported where a GGUF file is read (the GPU image lacks it)
@@ -33,7 +34,8 @@ if TYPE_CHECKING:  # the gguf package is imported where a GGUF file is read (the
 
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-PERMUTED_ARCHITECTURES = ("llama", "mistral")
+GGUF_ARCHITECTURES.update(gguf_families.ARCHITECTURES)  # phi3, olmo2, granite
+PERMUTED_ARCHITECTURES = ("llama", "mistral", *gguf_families.PERMUTED)
 
 # transformers name (under model.layers.{i}.) -> GGUF name (under blk.{i}.)
 _LAYER_NAMES = {
@@ -165,6 +167,9 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     elif scaling_type not in ("none", None):
         raise ValueError(f"{path}: unsupported RoPE scaling {scaling_type!r}")
     sliding = field(reader, f"{arch}.attention.sliding_window")
+    extra = gguf_families.config_fields(arch, reader, lambda key, default=None: field(reader, key, default),
+                                        int(field(reader, f"{arch}.attention.key_length", hidden // num_heads)), path)
+    rope_type, rope_scaling = extra.pop("rope_type", rope_type), extra.pop("rope_scaling", rope_scaling)
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(field(reader, f"{arch}.vocab_size", len(tokens))),
@@ -185,6 +190,7 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
         sliding_window=int(sliding) if sliding else None,
         bos_token_id=field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=eos_ids,
+        **extra,
     )
 
 
@@ -203,7 +209,7 @@ def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool =
     def get(hf_name: str) -> np.ndarray:
         if hf_name.startswith("model.layers."):
             _, _, i, rest = hf_name.split(".", 3)
-            gguf_name = f"blk.{i}.{_LAYER_NAMES[rest]}"
+            gguf_name = f"blk.{i}.{gguf_families.layer_name(arch, rest) or _LAYER_NAMES[rest]}"
         else:
             gguf_name = _GLOBAL_NAMES[hf_name]
         t = tensors.get(gguf_name)
