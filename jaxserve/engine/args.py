@@ -111,6 +111,18 @@ class EngineArgs:
     # (docs/serving.md). LLM.sleep()/wake_up() work without it: freeing and restoring costs nothing
     # until they are called.
     enable_sleep_mode: bool = False
+    # vLLM's --logprobs-mode: what logprobs (and their ranks and top-N) are taken from
+    # (sample/sampler.py): raw_logprobs, the log-softmax of the model's logits; processed_logprobs,
+    # of what the token was drawn from (logit bias, masks, penalties, then / temperature with
+    # top_k / top_p / min_p cut to -inf); raw_logits and processed_logits: those values themselves.
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"] = "raw_logprobs"
+    # float32: the LM head's product and the log-softmax in float32 whatever the model's dtype (a
+    # trainer's logits; worker/lm_head.py); auto: the head in the model's dtype.
+    head_dtype: Literal["auto", "float32"] = "auto"
+    # vLLM's VLLM_BATCH_INVARIANT (that variable set to 1 turns this on too): a token's logprob is
+    # bitwise the same whatever batch, bucket or chunking computes it (worker/batch_invariant.py);
+    # refused at start-up with what it cannot honour (GPU kernels, parallelism, quantization, LoRA, MoE).
+    batch_invariant: bool = False
 
     @model_validator(mode="after")
     def _check_together(self) -> "EngineArgs":

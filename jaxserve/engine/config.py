@@ -32,7 +32,7 @@ from jaxserve.constants import resolve_attention_backend
 from jaxserve.core.scheduler_output import SchedulerConfig
 from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.engine.args import EngineArgs
-from jaxserve.worker import sizing
+from jaxserve.worker import batch_invariant, sizing
 from jaxserve.worker.sizing import CHUNKED_PREFILL_TOKENS  # noqa: F401  (re-exported: the default's name)
 from jaxserve.worker.model_runner import RunnerConfig
 
@@ -51,6 +51,7 @@ class EngineConfig:
     bf16_dots_from: int = 0  # steps of this many tokens or more take bfloat16 dots; 0: never
     num_gpu_blocks: int = 0  # 0 until with_blocks(): the KV pool is sized after the model is loaded
     num_cpu_blocks: int = 0  # the host swap pool (preemption_mode="swap")
+    batch_invariant: bool = False  # --batch-invariant or VLLM_BATCH_INVARIANT=1 (worker/batch_invariant.py)
 
     @classmethod
     def resolve(cls, args: EngineArgs, max_position_embeddings: int, platform: str) -> "EngineConfig":
@@ -69,11 +70,17 @@ class EngineConfig:
         if default_drafts:
             chosen.append(f"--speculative-config '{json.dumps(speculative)}'")
         bf16_dots_from = default_bf16_dots_from(args, platform)
+        invariant = batch_invariant.enabled(args.batch_invariant)
+        backend = resolve_attention_backend(args.attention_backend, platform)
+        if invariant and batch_invariant.refusal(args, backend):
+            raise ValueError(batch_invariant.refusal(args, backend))
+        if invariant and bf16_dots_from:  # every bucket is past it: every step takes them
+            bf16_dots_from = min(bf16_dots_from, batch_invariant.MIN_ROWS)
         if bf16_dots_from:
             chosen.append(f"--dtype auto (float32 weights, bfloat16 dots in steps of {bf16_dots_from}+ tokens)")
         return cls(args=args, max_model_len=max_model_len,
                    max_num_batched_tokens=args.max_num_batched_tokens or default_tokens,
-                   attention_backend=resolve_attention_backend(args.attention_backend, platform),
+                   attention_backend=backend, batch_invariant=invariant,
                    block_size=block_size, kv_cache_dtype=kv_cache_dtype, platform_defaults=tuple(chosen),
                    speculative=SpeculativeConfig.parse(speculative),
                    async_scheduling=_async_scheduling(args, on_cpu), bf16_dots_from=bf16_dots_from)
@@ -108,7 +115,8 @@ class EngineConfig:
             num_blocks=self.num_gpu_blocks, block_size=self.block_size, max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype,
-            bf16_dots_from=self.bf16_dots_from)
+            bf16_dots_from=self.bf16_dots_from, logprobs_mode=a.logprobs_mode,
+            head_float32=a.head_dtype == "float32", batch_invariant=self.batch_invariant)
 
 
 def default_bf16_dots_from(args: EngineArgs, platform: str) -> int:

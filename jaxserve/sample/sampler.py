@@ -4,7 +4,7 @@ The runner jits `sample` separately from the model step; it compiles once per
 request-count bucket S and per static variant of the metadata (see
 `SamplingMetadata.warmup_variants`). Processing order follows vLLM:
 
-    raw logits ──► logprobs / ranks / top-20        (vLLM's "raw logprobs")
+    raw logits ──► logprobs / ranks / top-20        (vLLM's "raw_logprobs", the default)
         │
         ├─ + logit_bias, min_tokens suppression (-inf)
         ├─ token bitmask (structured outputs, allowed_token_ids, bad_words): 0 bit -> -inf,
@@ -14,6 +14,12 @@ request-count bucket S and per static variant of the metadata (see
         └─ other rows: / temperature, top_k, top_p, min_p, Gumbel-max with
            key = fold_in(key(seed), step)  → a row's token does not depend on
            the batch it is in or its position there.
+
+`logprobs_mode` (the engine's --logprobs-mode, a static choice: one program per engine) picks what
+the logprobs are taken from, as vLLM: raw_* from the raw logits, processed_* from what the token
+was drawn from (bias, masks and penalties applied; sampled rows also / temperature with top_k,
+top_p and min_p filtered to -inf; greedy rows are not scaled or filtered, as vLLM's greedy
+batches); *_logprobs log-softmax them, *_logits return the values themselves.
 
 Variants are what keep it cheap: `all_greedy` skips the random draw and the
 filters; `use_top_filters=False` skips the top-256 partial sort (and the rare
@@ -37,20 +43,24 @@ from jaxserve.core.sampling_params import MAX_LOGPROBS
 _GREEDY_EPS = 1e-5  # same threshold as SamplingParams.greedy
 # Width of the partial sort that top_k / top_p use before falling back to a full sort.
 TOP_FILTER_CANDIDATES = 256
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # vLLM's
 
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: jax.Array  # [S] i32, the sampled tokens
-    logprobs: jax.Array  # [S] f32, log-softmax of the raw logits at token_ids
-    ranks: jax.Array  # [S] i32, 1-based rank of token_ids in the raw logits
+    logprobs: jax.Array  # [S] f32, log-softmax of the raw logits at token_ids (see logprobs_mode)
+    ranks: jax.Array  # [S] i32, 1-based rank of token_ids in the raw logits (see logprobs_mode)
     top_ids: jax.Array  # [S, MAX_LOGPROBS] i32, best first
-    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32, raw log-softmax at top_ids
+    top_logprobs: jax.Array  # [S, MAX_LOGPROBS] f32, raw log-softmax at top_ids (see logprobs_mode)
 
 
-def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
-    """Sample one token per row of `logits` ([S, V], V >= MAX_LOGPROBS)."""
+def sample(logits: jax.Array, md: SamplingMetadata, logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+    """Sample one token per row of `logits` ([S, V], V >= MAX_LOGPROBS); `logprobs_mode`: what its
+    logprobs, ranks and top-N are taken from (LOGPROBS_MODES, the module's docstring)."""
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
     logits = logits.astype(jnp.float32)
     processed = apply_bias_and_suppression(logits, md.bias_ids, md.bias_values, md.suppress_ids)
     processed = jax.lax.cond(jnp.any(md.token_bitmask != -1), apply_token_bitmask, lambda x, _: x,
@@ -58,10 +68,17 @@ def sample(logits: jax.Array, md: SamplingMetadata) -> SamplerOutput:
     if md.use_penalties:
         processed = apply_penalties(processed, md)
     token_ids = argmax(processed)
+    drawn_from = processed
     if not md.all_greedy:
-        sampled = _random_sample(processed, md)
-        token_ids = jnp.where(md.temperature < _GREEDY_EPS, token_ids, sampled)
-    return compute_logprobs(logits, token_ids, want_top=jnp.any(md.num_logprobs > 0))
+        greedy = md.temperature < _GREEDY_EPS
+        scaled = scale_and_filter(processed, md)
+        sampled = argmax(scaled + gumbel_noise(md.seeds, md.steps, logits.shape[-1]))
+        token_ids = jnp.where(greedy, token_ids, sampled)
+        if logprobs_mode.startswith("processed"):  # a greedy row's own values, whatever its batch
+            drawn_from = jnp.where(greedy[:, None], processed, scaled)
+    values = logits if logprobs_mode.startswith("raw") else drawn_from
+    return compute_logprobs(values, token_ids, want_top=jnp.any(md.num_logprobs > 0),
+                            normalize=logprobs_mode.endswith("logprobs"))
 
 
 def argmax(x: jax.Array) -> jax.Array:
@@ -200,14 +217,14 @@ def gumbel_noise(seeds: jax.Array, steps: jax.Array, vocab_size: int) -> jax.Arr
     return -jnp.log(-jnp.log(uniform))
 
 
-def _random_sample(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
-    """Gumbel-max over temperature-scaled, filtered logits; greedy rows get garbage (masked later)."""
+def scale_and_filter(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """What a sampled row draws from (by Gumbel-max): logits / temperature, top_k / top_p / min_p
+    cut to -inf; greedy rows get garbage (masked by the caller)."""
     temperature = jnp.where(md.temperature < _GREEDY_EPS, 1.0, md.temperature)
     scaled = logits / temperature[:, None]
     if md.use_top_filters:
         scaled = apply_top_filters(scaled, md.top_k, md.top_p, md.min_p)
-    gumbel = gumbel_noise(md.seeds, md.steps, logits.shape[-1])
-    return argmax(scaled + gumbel)
+    return scaled
 
 
 # Greedy rows from the hidden states in vocabulary slices (`sample_greedy_in_slices`): XLA:CPU
@@ -239,12 +256,14 @@ def plain_greedy(md: SamplingMetadata) -> jax.Array:
 
 
 def sample_greedy_in_slices(num_rows: int, vocab_size: int, num_slices: int,
-                            slice_logits: Callable[[jax.Array, int], jax.Array]) -> SamplerOutput:
+                            slice_logits: Callable[[jax.Array, int], jax.Array],
+                            normalize: bool = True) -> SamplerOutput:
     """What `sample` gives for plain greedy rows (see plain_greedy), one vocabulary slice of the
     head at a time: `slice_logits(start, size)` is the float32 logits [num_rows, size] of tokens
     [start, start + size). A running max, its first index and the rescaled sum of exponentials
     (the log-softmax normaliser): the sampled token is the max, so its rank is 1 and its
-    logprob is -log(sum exp(logits - max))."""
+    logprob is -log(sum exp(logits - max)); normalize=False (the *_logits modes: a plain greedy
+    row's processed values are its raw ones): its logit, the max itself."""
     size = vocab_size // num_slices
 
     def one_slice(carry, start):
@@ -259,9 +278,10 @@ def sample_greedy_in_slices(num_rows: int, vocab_size: int, num_slices: int,
     init = (jnp.full((num_rows,), -jnp.inf, jnp.float32), jnp.zeros((num_rows,), jnp.int32),
             jnp.zeros((num_rows,), jnp.float32))
     starts = jnp.arange(num_slices, dtype=jnp.int32) * size
-    (_, token, total), _ = jax.lax.scan(one_slice, init, starts)
+    (best, token, total), _ = jax.lax.scan(one_slice, init, starts)
     top_logprobs, top_ids = _no_top(num_rows)
-    return SamplerOutput(token_ids=token, logprobs=-jnp.log(total), ranks=jnp.ones((num_rows,), jnp.int32),
+    return SamplerOutput(token_ids=token, logprobs=-jnp.log(total) if normalize else best,
+                         ranks=jnp.ones((num_rows,), jnp.int32),
                          top_ids=top_ids, top_logprobs=top_logprobs)
 
 
@@ -271,8 +291,10 @@ def _no_top(num_rows: int) -> tuple[jax.Array, jax.Array]:
     return jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.int32)
 
 
-def compute_logprobs(logits: jax.Array, token_ids: jax.Array, want_top: jax.Array | None = None) -> SamplerOutput:
-    """Logprob, rank and top-N of the sampled tokens, all from the raw logits.
+def compute_logprobs(logits: jax.Array, token_ids: jax.Array, want_top: jax.Array | None = None,
+                     normalize: bool = True) -> SamplerOutput:
+    """Logprob, rank and top-N of the sampled tokens, all from `logits` (normalize=False: the
+    values themselves, the *_logits modes).
 
     Works on logits and subtracts the normaliser, so no [S, V] log-softmax is materialised.
     The max comes from jnp.max, not top_logits[:, :1]: feeding top_k's output back into
@@ -285,8 +307,11 @@ def compute_logprobs(logits: jax.Array, token_ids: jax.Array, want_top: jax.Arra
 
     top_logits, top_ids = top(logits) if want_top is None else jax.lax.cond(
         want_top, top, lambda x: _no_top(x.shape[0]), logits)
-    row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
-    lse = row_max + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+    if normalize:
+        row_max = jnp.max(logits, axis=-1, keepdims=True)  # [S, 1]
+        lse = row_max + jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
+    else:
+        lse = jnp.zeros((logits.shape[0], 1), jnp.float32)
     token_logits = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # [S, 1]
     ranks = 1 + jnp.sum((logits > token_logits).astype(jnp.int32), axis=-1)
     return SamplerOutput(token_ids=token_ids, logprobs=(token_logits - lse)[:, 0],

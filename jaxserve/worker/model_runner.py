@@ -28,6 +28,7 @@ from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxserve import parallel
+from jaxserve.worker import batch_invariant
 from jaxserve.worker.programs import (_copy_blocks, _fetch, _gather_blocks, _gather_rows, _model_step,  # noqa: F401
                                       _model_step_fn, _prompt_logprobs_step, _rows_like, _sample_step,
                                       _scatter_blocks, StepPrograms, num_compilations)
@@ -58,6 +59,9 @@ class RunnerConfig:
     num_cpu_blocks: int = 0
     kv_cache_dtype: str = "auto"  # EngineArgs.kv_cache_dtype
     bf16_dots_from: int = 0  # steps of this many tokens or more take bfloat16 dots (llama.run_layers); 0: none
+    logprobs_mode: str = "raw_logprobs"  # EngineArgs.logprobs_mode (sample/sampler.py)
+    head_float32: bool = False  # EngineArgs.head_dtype == "float32" (worker/lm_head.py)
+    batch_invariant: bool = False  # EngineArgs.batch_invariant (worker/batch_invariant.py)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -157,6 +161,10 @@ class ModelRunner:
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
         self.token_buckets, self.decode_buckets, self.seq_buckets = step_grids(
             rc.backend in PALLAS_BACKENDS, rc.max_num_seqs, rc.max_num_batched_tokens)
+        if rc.batch_invariant:  # every dot at M >= 64 (worker/batch_invariant.py)
+            if self.cfg.moe is not None:
+                raise ValueError("batch_invariant: mixture-of-experts models group tokens by expert across the batch")
+            self.token_buckets, self.seq_buckets = map(batch_invariant.grid, (self.token_buckets, self.seq_buckets))
         self.num_mask_words = (self.cfg.vocab_size + 31) // 32  # the sampler's token bitmask width
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
@@ -169,8 +177,10 @@ class ModelRunner:
                             functools.partial(programs.model_step, cfg=self.cfg, backend=rc.backend,
                                               bf16_dots_from=rc.bf16_dots_from))
         self._sample_step = functools.partial(programs.sample_step, num_rows=self.num_rows,
-                                              vocab_slices=_head_slices(self.params, mesh, pipeline),
-                                              head_dots=rc.bf16_dots_from > 0)
+                                              vocab_slices=0 if rc.batch_invariant else _head_slices(
+                                                  self.params, mesh, pipeline),
+                                              head_dots=rc.bf16_dots_from > 0 and not rc.head_float32,
+                                              logprobs_mode=rc.logprobs_mode, head_float32=rc.head_float32)
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
         # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
         # A mesh (or pipeline stages) over several processes: host inputs go to the programs as
@@ -253,7 +263,11 @@ class ModelRunner:
     def _empty_batch(self, num_tokens: int, decode_only: bool = False) -> StepInput:
         batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq,
                         self.rc.block_size, decode_only=decode_only)
-        return batch
+        return self._per_token(batch)
+
+    def _per_token(self, batch: StepInput) -> StepInput:
+        """--batch-invariant: each token its own sequence for the attention (worker/batch_invariant.py)."""
+        return batch_invariant.per_token_attention(batch, self.token_buckets[-1]) if self.rc.batch_invariant else batch
 
     def _input(self, tree):
         """Host inputs for a program: one device_put of the whole tree, or numpy across processes."""
@@ -284,6 +298,7 @@ class ModelRunner:
         t = bucket_for(out.num_batched_tokens, self.decode_buckets if decode_only else self.token_buckets)
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
                                   self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots)
+        batch = self._per_token(batch)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = prompt_logprob_chunks(out)

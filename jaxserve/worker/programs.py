@@ -32,6 +32,7 @@ from jaxserve.sample.sampler import (SLICED_MIN_ROWS, SamplerOutput, compute_log
                                      sample_greedy_in_slices)
 from jaxserve.sample.sampling_metadata import SamplingMetadata
 from jaxserve.worker.input_batch import StepInput
+from jaxserve.worker.lm_head import head_logits, head_slice_logits
 
 _compile_lock = threading.Lock()
 _num_compilations = 0
@@ -74,22 +75,26 @@ def _prompt_logprobs_step_fn(params, hidden, targets) -> SamplerOutput:
 
 
 def _sample_step_fn(params, hidden, md: SamplingMetadata, *, num_rows: int, vocab_slices: int = 0,
-                 head_dots: bool = False) -> tuple[SamplerOutput, jax.Array]:
+                 head_dots: bool = False, logprobs_mode: str = "raw_logprobs",
+                 head_float32: bool = False) -> tuple[SamplerOutput, jax.Array]:
     """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs.
     vocab_slices > 0 (the runner's choice: CPU, one device, a float or int8 head): a step of at least
     SLICED_MIN_ROWS plain greedy rows takes the head a vocabulary slice at a time (a lax.cond, the
     same program). head_dots (the CPU's bfloat16 dots, engine/config.py): those slices at every row
     count, each a bfloat16 dot accumulated in float32 (1.5x float32's slices at 32-64 rows on a
-    Zen 4); other batches take the whole head in float32."""
+    Zen 4); other batches take the whole head in float32. logprobs_mode, head_float32: the engine's
+    --logprobs-mode and --head-dtype float32 (sampler.sample, worker/lm_head.py)."""
     hidden = hidden[: md.temperature.shape[0]]  # LM head on S rows only
     dots = jnp.bfloat16 if head_dots else None
 
     def full():
-        return sample(llama.compute_logits(params, hidden), md)
+        return sample(head_logits(params, hidden, head_float32), md, logprobs_mode)
 
     def sliced():
         return sample_greedy_in_slices(hidden.shape[0], params["embed"].shape[0], vocab_slices,
-                                       lambda start, size: llama.slice_logits(params, hidden, start, size, dots))
+                                       lambda start, size: head_slice_logits(params, hidden, start, size,
+                                                                             head_float32, dots),
+                                       normalize=logprobs_mode.endswith("logprobs"))
 
     if (vocab_slices and (head_dots or hidden.shape[0] >= SLICED_MIN_ROWS) and md.all_greedy
             and not md.use_penalties):
@@ -117,7 +122,8 @@ _PROGRAMS = {
     "rows_like": (_rows_like_fn, dict(static_argnums=1)),
     "gather_rows": (_gather_rows_fn, {}),
     "prompt_logprobs_step": (_prompt_logprobs_step_fn, {}),
-    "sample_step": (_sample_step_fn, dict(static_argnames=("num_rows", "vocab_slices", "head_dots"))),
+    "sample_step": (_sample_step_fn, dict(static_argnames=("num_rows", "vocab_slices", "head_dots", "logprobs_mode",
+                                                         "head_float32"))),
     "copy_blocks": (_copy_blocks_fn, dict(donate_argnums=0)),
     "gather_blocks": (_gather_blocks_fn, {}),
     "scatter_blocks": (_scatter_blocks_fn, dict(donate_argnums=0)),

@@ -99,6 +99,8 @@ class _SamplingFields(StructuredFields, _Request):
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k (-1: max_model_len)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM's: with logprobs, each token (and top-N key) as "token_id:N" instead of its text
+    return_tokens_as_token_ids: bool | None = None
     # Accepted, no effect: no storage, no tiers here.
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -167,7 +167,8 @@ class ServingChat(BaseServing):
             return None
         positions = list(out.logprobs or [])
         num = req.top_logprobs or 0
-        content = [self.chat_logprob(t, positions[k] if k < len(positions) else None, num)
+        as_id = bool(req.return_tokens_as_token_ids)  # vLLM's: "token_id:N" for each token
+        content = [self.chat_logprob(t, positions[k] if k < len(positions) else None, num, as_id)
                    for k, t in enumerate(out.token_ids) if k >= start]
         return ChatLogprobs.model_validate({"content": content})
 

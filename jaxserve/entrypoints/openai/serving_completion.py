@@ -82,14 +82,19 @@ class ServingCompletion(BaseServing):
         return [f for f in finals if f is not None]
 
     def _logprobs(self, token_ids: list[int], positions: list[LogprobsDict | None], num: int,
-                  start_offset: int = 0, out: CompletionLogprobs | None = None) -> CompletionLogprobs:
+                  start_offset: int = 0, out: CompletionLogprobs | None = None,
+                  as_id: bool = False) -> CompletionLogprobs:
+        """as_id: the request's return_tokens_as_token_ids (tokens and top-N keys as "token_id:N")."""
         out = out or CompletionLogprobs()
         offset = start_offset
         for token_id, entries in zip(token_ids, positions):
-            token = self.decode_token(token_id, entries)
+            token = self.decode_token(token_id, entries, as_id)
             out.tokens.append(token)
             out.token_logprobs.append(self.sampled_logprob(token_id, entries))
-            out.top_logprobs.append(dict(self.top_entries(entries, num)) if entries else None)
+            top = dict(self.top_entries(entries, num, as_id)) if entries else None
+            if top is not None and token_id in entries:  # OpenAI's shape, as vLLM: the chosen token too (so
+                top.setdefault(token, self.sampled_logprob(token_id, entries))  # up to logprobs + 1 entries)
+            out.top_logprobs.append(top)
             out.text_offset.append(offset)
             offset += len(token)
         return out
@@ -102,9 +107,10 @@ class ServingCompletion(BaseServing):
             logprobs = CompletionLogprobs()
             if req.echo:
                 self._logprobs(prompt[1], list(final.prompt_logprobs or [None] * len(prompt[1])), req.logprobs,
-                               out=logprobs)
+                               out=logprobs, as_id=bool(req.return_tokens_as_token_ids))
             start = sum(len(t) for t in logprobs.tokens)
-            self._logprobs(output.token_ids, list(output.logprobs or []), req.logprobs, start, logprobs)
+            self._logprobs(output.token_ids, list(output.logprobs or []), req.logprobs, start, logprobs,
+                           bool(req.return_tokens_as_token_ids))
         return CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=output.finish_reason,
                                 stop_reason=output.stop_reason)
 
@@ -142,9 +148,10 @@ class ServingCompletion(BaseServing):
                     logprobs = CompletionLogprobs()
                     if first and req.echo:
                         prompt_positions = list(output.prompt_logprobs or [None] * len(prompt_ids))
-                        self._logprobs(prompt_ids, prompt_positions, req.logprobs, out=logprobs)
+                        self._logprobs(prompt_ids, prompt_positions, req.logprobs, out=logprobs,
+                                       as_id=bool(req.return_tokens_as_token_ids))
                     self._logprobs(new_ids, list((out.logprobs or [])[done_tokens:]), req.logprobs,
-                                   done_text, logprobs)
+                                   done_text, logprobs, bool(req.return_tokens_as_token_ids))
                 sent_text[index] = max(done_text, len(out.text))
                 sent_tokens[index] = len(out.token_ids)
                 choice = CompletionChoice(index=index, text=(prompt_text if first and req.echo else "") + delta,

@@ -184,28 +184,33 @@ class BaseServing:
 
     # --- logprobs ----------------------------------------------------------------------------
 
-    def decode_token(self, token_id: int, entries: LogprobsDict | None) -> str:
+    def decode_token(self, token_id: int, entries: LogprobsDict | None, as_id: bool = False) -> str:
+        """The token's text; as_id (vLLM's return_tokens_as_token_ids): "token_id:N", which names
+        a token whose bytes are not valid UTF-8 on their own."""
+        if as_id:
+            return f"token_id:{token_id}"
         entry = entries.get(token_id) if entries else None
         if entry is not None and entry.decoded_token is not None:
             return entry.decoded_token
         return self.tokenizer.decode([token_id])
 
-    def top_entries(self, entries: LogprobsDict | None, num: int) -> list[tuple[str, float]]:
+    def top_entries(self, entries: LogprobsDict | None, num: int, as_id: bool = False) -> list[tuple[str, float]]:
         """The `num` best (decoded token, logprob) pairs at one position, best first."""
         if not entries or num <= 0:
             return []
         ranked = sorted(entries.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
-        return [(self.decode_token(t, entries), max(lp.logprob, MIN_LOGPROB)) for t, lp in ranked[:num]]
+        return [(self.decode_token(t, entries, as_id), max(lp.logprob, MIN_LOGPROB)) for t, lp in ranked[:num]]
 
     @staticmethod
     def sampled_logprob(token_id: int, entries: LogprobsDict | None) -> float | None:
         entry = entries.get(token_id) if entries else None
         return None if entry is None else max(entry.logprob, MIN_LOGPROB)
 
-    def chat_logprob(self, token_id: int, entries: LogprobsDict | None, num: int) -> dict[str, object]:
-        token = self.decode_token(token_id, entries)
+    def chat_logprob(self, token_id: int, entries: LogprobsDict | None, num: int,
+                     as_id: bool = False) -> dict[str, object]:
+        token = self.decode_token(token_id, entries, as_id)
         logprob = self.sampled_logprob(token_id, entries)
         top = [TopLogprob(token=t, logprob=lp, bytes=list(t.encode())).model_dump()
-               for t, lp in self.top_entries(entries, num)]
+               for t, lp in self.top_entries(entries, num, as_id)]
         return {"token": token, "logprob": MIN_LOGPROB if logprob is None else logprob,
                 "bytes": list(token.encode()), "top_logprobs": top}
