@@ -218,3 +218,30 @@ def test_plan_counts_transformers_parameters(name):
     tables = 2 * cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
     half = one / 2 + (tables / 2 if cfg.vocab_size % 2 else 0)
     assert abs(sizing.weight_bytes_per_device(cfg, 2, 2) - half) < one * 0.01
+
+
+PHI3 = dict(architectures=["Phi3ForCausalLM"], vocab_size=64, hidden_size=64, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+            original_max_position_embeddings=16, rope_scaling=dict(type="su", short_factor=[1.0] * 8,
+                                                                   long_factor=[2.0] * 8))
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(rope_scaling=dict(type="longrope", short_factor=[1.0] * 7, long_factor=[2.0] * 8)), "short_factor"),
+    (dict(rope_scaling=dict(type="longrope", short_factor=[1.0] * 8)), "long_factor"),
+    (dict(original_max_position_embeddings=None), "original_max_position_embeddings"),
+    (dict(partial_rotary_factor=1.5, rope_scaling=None), "partial_rotary_factor"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(architectures=["GraniteForCausalLM"], residual_multiplier=-1.0, rope_scaling=None), "residual_multiplier"),
+    (dict(architectures=["GraniteForCausalLM"], mlp_bias=True, rope_scaling=None), "mlp_bias"),
+])
+def test_bad_config_names_the_field(change, field):
+    from jaxserve.models import longrope
+    from jaxserve.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(PHI3)  # the valid base: su is LongRoPE's first name; 64 > 16: the long set
+    assert cfg.rope_type == "longrope" and longrope.uses_long(cfg)
+    assert not longrope.uses_long(longrope.for_max_model_len(cfg, 16))
+    assert longrope.uses_long(longrope.for_max_model_len(cfg, 17))
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_hf({k: v for k, v in {**PHI3, **change}.items() if v is not None})
