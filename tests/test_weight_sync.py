@@ -232,17 +232,18 @@ def test_tensor_parallel_update_from_unsharded_weights(dirs, tmp_path):
     assert result["compilations_after_updates"] == 0
 
 
-def test_update_weights_from_disk_over_http(dirs):
+def test_update_weights_from_disk_over_http(llm, dirs, monkeypatch):
     """POST /update_weights_from_disk on the real app (dev routes on): the served tokens become
-    transformers' merged ones; another config or a bad path is a 400 saying why, old weights kept."""
+    transformers' merged ones; another config or a bad path is a 400 saying why, old weights kept.
+    (The module's engine, serving the base weights again, goes behind the server: the last test here.)"""
     import httpx
 
-    from jaxserve import LLM
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.api_server import build_app
     from tests.fake_engine import serve_in_thread
 
-    engine = AsyncLLM(LLM(str(dirs["base"]), progress=False, enable_sleep_mode=True, **ENGINE).llm_engine)
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # the dev routes, as vLLM's
+    engine = AsyncLLM(llm.llm_engine)  # its thread owns the engine from here on
 
     def completions(url: str) -> list[list[str]]:  # each generated token's text, as logprobs.tokens gives it
         out = []
