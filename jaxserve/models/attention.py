@@ -51,15 +51,18 @@ def write_kv(backend: str, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array,
 
 def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, md: AttentionMetadata,
            layer: jax.Array, *, sm_scale: float, sliding_window: int | jax.Array | None,
-           sinks: jax.Array | None = None) -> jax.Array:
+           sinks: jax.Array | None = None, soft_cap: float | None = None) -> jax.Array:
     """q: [T, num_q_heads, head_dim] -> [T, num_q_heads, head_dim], causal over each sequence's paged context.
 
     sliding_window: an int (the same window in every layer, part of the program), None, or an i32
     scalar array: this layer's window as data (per-layer windows in one scanned layer body, gpt-oss's
     layer_types; FULL_WINDOW for a full-attention layer). sinks: f32[num_q_heads], this layer's
     attention sinks (gpt-oss: a learned logit per head in the softmax denominator), or None (no
-    sinks: the same programs as without the argument)."""
+    sinks: the same programs as without the argument). soft_cap: Gemma 2's attention logit soft-capping
+    (scores -> tanh(s / cap) * cap after the scale, in every backend), or None."""
     extra = {} if sinks is None else dict(sinks=sinks)
+    if soft_cap is not None:
+        extra["soft_cap"] = soft_cap
     if isinstance(sliding_window, jax.Array):
         extra["window"], sliding_window = sliding_window, None
     if backend in PALLAS_BACKENDS:

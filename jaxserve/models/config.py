@@ -97,6 +97,9 @@ class ModelConfig:
     moe: MoeConfig | None = None  # Mixture-of-Experts families only
     # the attention's q.k scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_scale: float | None = None
+    attn_logit_softcap: float | None = None  # Gemma 2: scores -> tanh(s / cap) * cap before the softmax
+    final_logit_softcap: float | None = None  # Gemma 2: logits -> tanh(l / cap) * cap (the sampler's head)
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (unscaled); None: rope_theta
     # Granite's scalars (1.0: none): the embeddings times embedding_multiplier, each sub-layer's output
     # times residual_multiplier before its residual add, the logits divided by logits_scaling
     embedding_multiplier: float = 1.0

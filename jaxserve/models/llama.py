@@ -132,6 +132,9 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
     bf16_dots_from: see run_layers. lora_slots [T] i32: each token's adapter slot (0: none), used when
     the params carry LoRA slots (params["lora_owner"], jaxserve/lora/layers.py).
     """
+    own = registry.get_family(cfg.architecture).forward
+    if own is not None:  # a family with its own layer (models/gemma.py)
+        return own(params, cfg, kv_cache, token_ids, positions, md, backend, bf16_dots_from, lora_slots)
     h = embed(params, cfg, token_ids)  # [T, hidden]
     step = None
     if lora_slots is not None and "lora_owner" in params:  # the Pallas backends: decode-sized deltas by the kernel
@@ -171,6 +174,9 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
     bf16_dots_from > 0: a batch of that many tokens or more takes its float projections as
     bfloat16 x bfloat16 dots accumulated in float32 (the CPU's `--dtype auto`, engine/config.py);
     the weights stay as stored, and norms, attention and the residual stay in their own dtype."""
+    if registry.get_family(cfg.architecture).forward is not None:  # reached by pipeline stages only
+        raise ValueError(f"pipeline_parallel_size: {cfg.architecture} runs its own layer body "
+                         "(models/gemma.py); pipeline parallelism is not supported for it")
     inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
     dots = jnp.bfloat16 if bf16_dots_from and h.shape[0] >= bf16_dots_from else None
 
@@ -223,15 +229,21 @@ def dense_mlp(cfg: ModelConfig, lp: dict, x: jax.Array, dots: jnp.dtype | None =
     return lora.add(matmul(act, lp[prefix + "_down"], dots), lp, prefix + "_down", act, lora_step, dots)
 
 
-def compute_logits(params: Params, hidden: jax.Array) -> jax.Array:
-    """hidden: [N, hidden] -> float32 logits [N, vocab]."""
+def compute_logits(params: Params, hidden: jax.Array, soft_cap: float | None = None) -> jax.Array:
+    """hidden: [N, hidden] -> float32 logits [N, vocab]; soft_cap: the model's final logit
+    soft-capping (ModelConfig.final_logit_softcap, Gemma 2), applied as transformers does."""
     head = params.get("lm_head")
     logits = matmul(hidden, params["embed"].T if head is None else head)
-    return logits.astype(jnp.float32)
+    return cap_logits(logits.astype(jnp.float32), soft_cap)
+
+
+def cap_logits(logits: jax.Array, soft_cap: float | None) -> jax.Array:
+    """tanh(logits / cap) * cap (transformers' final_logit_softcapping), or the logits as they are."""
+    return logits if soft_cap is None else jnp.tanh(logits / soft_cap) * soft_cap
 
 
 def slice_logits(params: Params, hidden: jax.Array, start: jax.Array, size: int,
-                 dots: jnp.dtype | None = None) -> jax.Array:
+                 dots: jnp.dtype | None = None, soft_cap: float | None = None) -> jax.Array:
     """compute_logits' columns [start, start + size) (start may be traced): the head's columns
     only, from the tied embedding's rows or an lm_head's columns (float or int8)."""
     head = params.get("lm_head")
@@ -239,7 +251,7 @@ def slice_logits(params: Params, hidden: jax.Array, start: jax.Array, size: int,
         logits = matmul_transposed(hidden, jax.lax.dynamic_slice_in_dim(params["embed"], start, size, 0), dots)
     else:
         logits = matmul(hidden, columns(head, start, size), dots)
-    return logits.astype(jnp.float32)
+    return cap_logits(logits.astype(jnp.float32), soft_cap)
 
 
 def param_shapes(cfg: ModelConfig) -> dict:

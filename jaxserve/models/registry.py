@@ -12,6 +12,8 @@
     Phi3ForCausalLM              phi3         jaxserve.models.phi3    (Phi-3, Phi-3.5, Phi-4; GGUF phi3)
     Olmo2ForCausalLM             olmo2        jaxserve.models.olmo2
     GraniteForCausalLM           granite      jaxserve.models.granite
+    Gemma2ForCausalLM            gemma2       jaxserve.models.gemma
+    Gemma3ForCausalLM            gemma3       jaxserve.models.gemma   (Gemma 3 text; GGUF gemma3)
     LlamaModel, Qwen3Model, ...  (the same)   bare decoders: embedders, no LM head (pooling)
     BertModel, XLMRobertaForSequenceClassification, ...   bert / roberta   jaxserve.models.bert
                                  encoders (pooling only): `_ENCODERS`, with the task each is made for
@@ -58,6 +60,9 @@ class ModelFamily:
     ffn: Callable[["ModelConfig", dict, "jax.Array", object], "jax.Array"]
     # (cfg, tensor_parallel_size) -> {layer leaf: (ok, PartitionSpec, why not)} for the family's own leaves
     partition_rules: Callable[["ModelConfig", int], dict]
+    # a family whose layer differs beyond its feed-forward block (Gemma: post-norms, scaled embeddings)
+    # runs its own decoder, with llama.forward's signature; None: llama.forward's layer scan
+    forward: Callable | None = None
 
 
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -72,6 +77,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "jaxserve.models.phi3"),
     "Olmo2ForCausalLM": ("olmo2", "jaxserve.models.olmo2"),
     "GraniteForCausalLM": ("granite", "jaxserve.models.granite"),
+    "Gemma2ForCausalLM": ("gemma2", "jaxserve.models.gemma"),
+    "Gemma3ForCausalLM": ("gemma3", "jaxserve.models.gemma"),
     # bare decoders (what sentence-transformers saves for an embedder: no LM head, names without
     # `model.`): the same families, served as pooling models (jaxserve/pooling/config.py)
     "LlamaModel": ("llama", "jaxserve.models.llama"),

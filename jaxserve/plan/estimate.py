@@ -98,7 +98,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 def total_params(cfg: ModelConfig) -> int:
     """Every weight the model holds (the checkpoint's count: a mixed MoE's padding not included)."""
     shapes = param_shapes(cfg)
-    n = sum(_prod(v) for k, v in shapes["layers"].items())
+    # the per-layer `sliding` flag (gpt-oss, Gemma) is the engine's, not a checkpoint weight
+    n = sum(_prod(v) for k, v in shapes["layers"].items() if k != "sliding")
     if cfg.moe is not None and cfg.moe.dense_layers:
         dense, sparse = len(cfg.moe.dense_layers), cfg.num_layers - len(cfg.moe.dense_layers)
         m, H = cfg.moe, cfg.hidden_size

@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import Params
-from jaxserve.weights import gguf_families
+from jaxserve.weights import gguf_families, gguf_gemma
 from jaxserve.weights.assemble import PlaceFn, assemble_params
 
 if TYPE_CHECKING:  # the gguf package is imported where a GGUF file is read (the GPU image lacks it)
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # the gguf package is imported where a GGUF file is read (the
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 GGUF_ARCHITECTURES.update(gguf_families.ARCHITECTURES)  # phi3, olmo2, granite
+GGUF_ARCHITECTURES.update(gguf_gemma.ARCHITECTURES)  # gemma2, gemma3
 PERMUTED_ARCHITECTURES = ("llama", "mistral", *gguf_families.PERMUTED)
 
 # transformers name (under model.layers.{i}.) -> GGUF name (under blk.{i}.)
@@ -170,6 +171,8 @@ def read_config(reader: GGUFReader, path: Path) -> ModelConfig:
     extra = gguf_families.config_fields(arch, reader, lambda key, default=None: field(reader, key, default),
                                         int(field(reader, f"{arch}.attention.key_length", hidden // num_heads)), path)
     rope_type, rope_scaling = extra.pop("rope_type", rope_type), extra.pop("rope_scaling", rope_scaling)
+    extra.update(gguf_gemma.config_fields(arch, lambda key, default=None: field(reader, key, default), tokens))
+    eos_ids += tuple(i for i in extra.pop("extra_eos_ids", ()) if i not in eos_ids)  # Gemma's <end_of_turn>
     return ModelConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         vocab_size=int(field(reader, f"{arch}.vocab_size", len(tokens))),
@@ -209,7 +212,8 @@ def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool =
     def get(hf_name: str) -> np.ndarray:
         if hf_name.startswith("model.layers."):
             _, _, i, rest = hf_name.split(".", 3)
-            gguf_name = f"blk.{i}.{gguf_families.layer_name(arch, rest) or _LAYER_NAMES[rest]}"
+            name = gguf_families.layer_name(arch, rest) or gguf_gemma.layer_name(arch, rest) or _LAYER_NAMES[rest]
+            gguf_name = f"blk.{i}.{name}"
         else:
             gguf_name = _GLOBAL_NAMES[hf_name]
         t = tensors.get(gguf_name)
@@ -224,6 +228,6 @@ def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool =
             heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
             if w.shape[0] == heads * cfg.head_dim:  # otherwise the shape check names the tensor
                 w = _unpermute(w, heads)
-        return w
+        return gguf_gemma.from_gguf(arch, gguf_name, w)  # Gemma's norms: 1 + w back to w
 
     return assemble_params(cfg, get, dtype, str(path), progress, place_leaf)

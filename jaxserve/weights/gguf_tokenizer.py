@@ -50,6 +50,10 @@ def load_gguf_tokenizer(reader: GGUFReader | None, path: Path) -> PreTrainedToke
 
 def build_gguf_tokenizer(reader: GGUFReader, path: Path) -> PreTrainedTokenizerFast:
     kind = field(reader, "tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece (Gemma, Phi-3, Llama 2): weights/gguf_spm.py
+        from jaxserve.weights.gguf_spm import build_spm_tokenizer
+
+        return build_spm_tokenizer(path)
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer type {kind!r} is not supported yet (supported: 'gpt2' byte-level "
                          "BPE); use the model's HF-format directory instead")

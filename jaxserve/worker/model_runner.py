@@ -180,7 +180,8 @@ class ModelRunner:
                                               vocab_slices=0 if rc.batch_invariant else _head_slices(
                                                   self.params, mesh, pipeline),
                                               head_dots=rc.bf16_dots_from > 0 and not rc.head_float32,
-                                              logprobs_mode=rc.logprobs_mode, head_float32=rc.head_float32)
+                                              logprobs_mode=rc.logprobs_mode, head_float32=rc.head_float32,
+                                              logit_softcap=self.cfg.final_logit_softcap)
         # Async scheduling: the last sampled ids stay on the device ([P] i32) and feed the next
         # step's PLACEHOLDER inputs; prepare() maps request ids to their rows in them.
         # A mesh (or pipeline stages) over several processes: host inputs go to the programs as
@@ -231,7 +232,8 @@ class ModelRunner:
                 # .compile()` nor a device_put array was the entry a prompt-logprobs step looks up.
                 jp.gather_rows(jp.rows_like(full, t), q_rows)
                 bar.update(1)
-            _fetch(self._publish(jp.prompt_logprobs_step(self.params, jp.gather_rows(full, q_rows), q_rows)))
+            _fetch(self._publish(jp.prompt_logprobs_step(self.params, jp.gather_rows(full, q_rows), q_rows,
+                                                         logit_softcap=self.cfg.final_logit_softcap)))
             for _, md in variants:
                 _fetch(self._publish(self._sample_step(self.params, hidden, self._input(md))[0]))
                 bar.update(1)
@@ -358,7 +360,8 @@ class ModelRunner:
         result: dict[str, dict[int, SampledToken]] = {}
         for c in chunks:
             p = self.programs
-            so = _fetch(self._publish(p.prompt_logprobs_step(self.params, p.gather_rows(hidden, c.rows), c.targets)))
+            so = _fetch(self._publish(p.prompt_logprobs_step(self.params, p.gather_rows(hidden, c.rows), c.targets,
+                                                             logit_softcap=self.cfg.final_logit_softcap)))
             for i, (rid, pos, tok, n) in enumerate(c.entries):
                 result.setdefault(rid, {})[pos] = _sampled(so, i, tok, n)
         return result

@@ -69,13 +69,14 @@ def _gather_rows_fn(hidden, rows):  # [T, hidden], [Q] -> [Q, hidden]; compiled 
     return hidden[rows]
 
 
-def _prompt_logprobs_step_fn(params, hidden, targets) -> SamplerOutput:
-    """Logprob, rank and top-N of the next prompt token at Q prompt positions."""
-    return compute_logprobs(llama.compute_logits(params, hidden), targets)
+def _prompt_logprobs_step_fn(params, hidden, targets, *, logit_softcap: float | None = None) -> SamplerOutput:
+    """Logprob, rank and top-N of the next prompt token at Q prompt positions (logit_softcap: the
+    model's final logit soft-capping, ModelConfig.final_logit_softcap)."""
+    return compute_logprobs(llama.compute_logits(params, hidden, logit_softcap), targets)
 
 
 def _sample_step_fn(params, hidden, md: SamplingMetadata, *, num_rows: int, vocab_slices: int = 0,
-                 head_dots: bool = False, logprobs_mode: str = "raw_logprobs",
+                 head_dots: bool = False, logit_softcap: float | None = None, logprobs_mode: str = "raw_logprobs",
                  head_float32: bool = False) -> tuple[SamplerOutput, jax.Array]:
     """The sampler's output, and its token ids padded to [num_rows] (P) for the next step's inputs.
     vocab_slices > 0 (the runner's choice: CPU, one device, a float or int8 head): a step of at least
@@ -88,12 +89,12 @@ def _sample_step_fn(params, hidden, md: SamplingMetadata, *, num_rows: int, voca
     dots = jnp.bfloat16 if head_dots else None
 
     def full():
-        return sample(head_logits(params, hidden, head_float32), md, logprobs_mode)
+        return sample(head_logits(params, hidden, head_float32, logit_softcap), md, logprobs_mode)
 
     def sliced():
         return sample_greedy_in_slices(hidden.shape[0], params["embed"].shape[0], vocab_slices,
                                        lambda start, size: head_slice_logits(params, hidden, start, size,
-                                                                             head_float32, dots),
+                                                                             head_float32, dots, logit_softcap),
                                        normalize=logprobs_mode.endswith("logprobs"))
 
     if (vocab_slices and (head_dots or hidden.shape[0] >= SLICED_MIN_ROWS) and md.all_greedy
@@ -121,9 +122,9 @@ _PROGRAMS = {
     "model_step": (_model_step_fn, dict(static_argnames=("cfg", "backend", "bf16_dots_from"), donate_argnums=1)),
     "rows_like": (_rows_like_fn, dict(static_argnums=1)),
     "gather_rows": (_gather_rows_fn, {}),
-    "prompt_logprobs_step": (_prompt_logprobs_step_fn, {}),
-    "sample_step": (_sample_step_fn, dict(static_argnames=("num_rows", "vocab_slices", "head_dots", "logprobs_mode",
-                                                         "head_float32"))),
+    "prompt_logprobs_step": (_prompt_logprobs_step_fn, dict(static_argnames=("logit_softcap",))),
+    "sample_step": (_sample_step_fn, dict(static_argnames=("num_rows", "vocab_slices", "head_dots", "logit_softcap",
+                                                         "logprobs_mode", "head_float32"))),
     "copy_blocks": (_copy_blocks_fn, dict(donate_argnums=0)),
     "gather_blocks": (_gather_blocks_fn, {}),
     "scatter_blocks": (_scatter_blocks_fn, dict(donate_argnums=0)),
