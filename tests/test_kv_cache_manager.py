@@ -199,3 +199,26 @@ def test_free_releases_tail_blocks_first() -> None:
     table = kv.get_block_ids("a")
     kv.forget("a")
     assert kv.block_pool.free_block_ids() == [3] + table[::-1]
+
+
+def test_reset_after_a_weight_update_never_caches_the_old_weights_kv():
+    """reset_prefix_cache(weights_changed=True): the cache is empty, and a request that held KV at the
+    update (computed with the old weights) never offers its blocks later, nor do its forks; a request
+    admitted after the update caches as usual."""
+    kv = KVCacheManager(8, BLOCK_SIZE, enable_caching=True)
+    tokens = list(range(3 * BLOCK_SIZE))
+    assert kv.allocate_slots("old", 0, 2 * BLOCK_SIZE) == []
+    kv.cache_blocks("old", tokens, BLOCK_SIZE)  # one block computed, cached
+    assert kv.get_computed_blocks("probe", tokens) == kv.get_block_ids("old")[:1]
+    kv.reset_prefix_cache(weights_changed=True)
+    assert kv.get_computed_blocks("probe2", tokens) == []
+    kv.cache_blocks("old", tokens, 2 * BLOCK_SIZE)  # its second block fills after the update
+    kv.fork("old", "old#1", 2 * BLOCK_SIZE)
+    kv.cache_blocks("old#1", tokens, 2 * BLOCK_SIZE)
+    assert kv.get_computed_blocks("probe3", tokens) == []
+    assert kv.allocate_slots("new", 0, 2 * BLOCK_SIZE) == []
+    kv.cache_blocks("new", tokens, 2 * BLOCK_SIZE)
+    assert kv.get_computed_blocks("probe4", tokens) == kv.get_block_ids("new")[:2]
+    kv.reset_prefix_cache()  # a plain reset: "new" may offer blocks again
+    kv.forget("new")
+    assert kv.get_computed_blocks("probe5", tokens) == []
