@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from jaxserve.constants import resolve_attention_backend
+from jaxserve.models import dense_attention
 from pallas_kernels.common import BF16_BITS
 
 # The Pallas kernels in interpret mode (a CPU run of the kernels' own code), for tests only: not in
@@ -43,6 +44,8 @@ def resolve_backend(name: str) -> str:
 def write_kv(backend: str, k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              md: AttentionMetadata, layer: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k_cache, v_cache: [num_layers, num_kv_heads, num_blocks, block_size, head_dim]; k, v: [T, num_kv_heads, head_dim]."""
+    if backend == dense_attention.DENSE:  # the training forward's: no pool (models/dense_attention.py)
+        return dense_attention.write_kv(k_cache, v_cache, k, v)
     if backend in PALLAS_BACKENDS:
         return pallas_kernels.write_kv(k_cache, v_cache, k, v, md.slot_mapping, layer=layer,
                                        interpret=backend == PALLAS_INTERPRET)
@@ -60,6 +63,9 @@ def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, m
     attention sinks (gpt-oss: a learned logit per head in the softmax denominator), or None (no
     sinks: the same programs as without the argument). soft_cap: Gemma 2's attention logit soft-capping
     (scores -> tanh(s / cap) * cap after the scale, in every backend), or None."""
+    if backend == dense_attention.DENSE:  # k_cache, v_cache: this layer's own K, V (models/dense_attention.py)
+        return dense_attention.attend(q, k_cache, v_cache, md.cu_q_lens, md.slot_mapping, sm_scale=sm_scale,
+                                      sliding_window=sliding_window, sinks=sinks, soft_cap=soft_cap)
     extra = {} if sinks is None else dict(sinks=sinks)
     if soft_cap is not None:
         extra["soft_cap"] = soft_cap

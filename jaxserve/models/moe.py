@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.attention import PALLAS_BACKENDS
+from jaxserve.models.dense_attention import DENSE
 from jaxserve.models.expert_weights import (BF16_BITS, ExpertWeight, LayerStack, expert_weight, first_leaf,
                                             grouped_matmul, is_packed, resolve, widen)
 from jaxserve.models.expert_weights import num_experts as stack_size
@@ -200,7 +201,9 @@ def expert_swiglu(x: jax.Array, ids: jax.Array, experts: Experts, backend: str =
     The one place the path is chosen (see the module docstring). dots: the step's dot dtype
     (bfloat16: stacks of bfloat16 bits may take the batched dots, in bfloat16)."""
     num_tokens, k = ids.shape
-    grouped = backend in PALLAS_BACKENDS
+    # the dense (training) backend: the grouped path over XLA's blocked matmul, the one path with no
+    # data-dependent loop, so jax.grad runs through it (models/dense_attention.py)
+    grouped = backend in PALLAS_BACKENDS or backend == DENSE
     flat = ids.reshape(-1)  # [T*k]
     order = jnp.argsort(flat, stable=True)  # every path takes the rows sorted by expert
     lhs = x[order // k]  # [T*k, H]
