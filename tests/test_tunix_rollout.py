@@ -1,5 +1,5 @@
-"""jaxserve.rl.tunix_rollout against Tunix itself (google-tunix==0.1.7; skipped where it is not
-installed: its safetensors<0.8 pin conflicts with the test extra's transformers, docs/rl.md).
+"""jaxserve.rl.tunix_rollout against Tunix itself (google-tunix==0.1.7, installed --no-deps by `make
+setup`: its safetensors<0.8 pin conflicts with the test extra's transformers, docs/rl.md).
 
 A tiny random Tunix Llama3 actor is pushed into an engine serving other random weights through the
 adapter's update_params (Tunix's nnx state -> HF names -> LLM.update_weights); the engine's sampled
@@ -12,18 +12,15 @@ import json
 from pathlib import Path
 
 import numpy as np
-import pytest
 
-pytest.importorskip("tunix", reason="google-tunix not installed (docs/rl.md: its pins)")
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tunix.generate import utils as tunix_utils
+from tunix.models.llama3 import model as llama3
+from tunix.rl.rollout import base_rollout
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from tunix.generate import utils as tunix_utils  # noqa: E402
-from tunix.models.llama3 import model as llama3  # noqa: E402
-from tunix.rl.rollout import base_rollout  # noqa: E402
-
-from jaxserve.rl.tunix_rollout import JaxserveRollout, tunix_to_hf  # noqa: E402
+from jaxserve.rl.tunix_rollout import JaxserveRollout, tunix_to_hf
 
 V, H, I, L, NQ, NKV, HD = 256, 64, 128, 2, 4, 2, 16
 # Tunix 0.1.7's Llama3 attention calls apply_rope without its config's rope_theta: it always rotates
