@@ -11,7 +11,8 @@ generate(prompts, rollout_config) for each batch of prompt strings and update_pa
 each trainer step. The engine lives in the trainer's process: update_params maps the actor's nnx
 state to Hugging Face names (Tunix's own checkpoint mapping of the actor's family, inverted) and
 hands them to `LLM.update_weights`, which places them on the engine's shardings (one copy: Tunix's
-layout is not the engine's). Tested against google-tunix==0.1.7 (tests/test_tunix_rollout.py).
+layout is not the engine's). Tested against google-tunix==0.1.7, Tunix's own GRPOLearner included
+(tests/test_tunix_rollout.py, examples/tunix_grpo.py).
 """
 
 from __future__ import annotations
@@ -52,15 +53,21 @@ class JaxserveRollout(base_rollout.BaseRollout):
         pad = getattr(llm.get_tokenizer(), "pad_token_id", None)
         self._eos = int(eos[0]) if eos else 0
         self._pad = int(pad if pad is not None else self._eos)
+        self._calls = 0  # generate calls so far: part of each row's seed
 
     def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
                  **kwargs: Any) -> base_rollout.RolloutOutput:
         """One completion of each prompt string (Tunix repeats a prompt for its group itself)."""
         cfg = rollout_config
-        params = SamplingParams(
+        self._calls += 1
+        # Tunix repeats each prompt num_generations times in one call with one seed: one seed per row
+        # (and per call) keeps the group's samples distinct, and a seeded run reproducible
+        base = None if cfg.seed is None else int(np.asarray(cfg.seed).reshape(-1)[0]) * 1_000_003 + self._calls * 10_007
+        seeds = [None if base is None else base + i for i in range(len(prompts))]
+        params = [SamplingParams(
             max_tokens=cfg.max_tokens_to_generate, temperature=cfg.temperature, top_p=cfg.top_p or 1.0,
-            top_k=cfg.top_k or 0, seed=None if cfg.seed is None else int(np.asarray(cfg.seed).reshape(-1)[0]),
-            stop_token_ids=list(cfg.eos_tokens or []), logprobs=0 if cfg.return_logprobs else None)
+            top_k=cfg.top_k or 0, seed=None if seed is None else seed % (2**31),
+            stop_token_ids=list(cfg.eos_tokens or []), logprobs=0 if cfg.return_logprobs else None) for seed in seeds]
         # tokenized as the engine tokenizes text, cut to the last max_prompt_length tokens
         ids = [self._llm.llm_engine.encode_prompt(p)[1][-cfg.max_prompt_length:] for p in prompts]
         outs = self._llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
@@ -101,8 +108,12 @@ class JaxserveRollout(base_rollout.BaseRollout):
         return self._eos
 
     def model(self) -> Any:
-        """The actor Tunix handed in (RLCluster moves it between memories; the engine has its own copy)."""
-        return self._actor
+        """None: the engine holds its own copy of the weights, not an nnx module. Returning the actor
+        Tunix handed in (its trainer's own model) would make Tunix's learner conclude that trainer and
+        rollout share weights (rl_utils.is_sharing_weights) and never call update_params after a step.
+        So ClusterConfig(offload_to_cpu=True), which moves this module between memories, is not
+        supported: sleep the engine (LLM.sleep) instead."""
+        return None
 
 
 def tunix_to_hf(actor: Any, hf_shapes: Mapping[str, tuple[int, ...]]) -> ToHF:
