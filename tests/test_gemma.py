@@ -67,6 +67,10 @@ def test_config_reads_gemma_fields(checkpoints):
     old.update(rope_theta=1e6, rope_local_base_freq=10000.0, rope_scaling={"rope_type": "linear", "factor": 8.0})
     cfg = type(g3).from_hf(old)
     assert (cfg.rope_local_theta, cfg.rope_theta, cfg.rope_type, cfg.rope_scaling) == (1e4, 1e6, "linear", (8.0,))
+    # --enable-lora is refused from the config, before any weight is read (Gemma's layer takes no adapters)
+    from jaxserve import LLM
+    with pytest.raises(ValueError, match="enable_lora.*Gemma2ForCausalLM"):
+        LLM(str(checkpoints["gemma2"][0]), enable_lora=True, progress=False)
 
 
 def test_each_quirk_moves_the_reference(checkpoints):

@@ -112,7 +112,8 @@ def test_unsupported_adapters_are_refused_naming_the_field(llm, refs, tmp_path):
     for k, (path, field) in enumerate(cases):
         with pytest.raises(ValueError, match=f"^{field}"):
             llm.generate(_prompts(refs)[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("bad", 50 + k, path))
-    with pytest.raises(ValueError, match="^lora_int_id"):  # one id, two adapters
+    llm.generate(_prompts(refs)[:1], GREEDY, use_tqdm=False, lora_request=_lora(refs, "qv8"))  # its id known,
+    with pytest.raises(ValueError, match="^lora_int_id"):  # then one id, two adapters (alone as in the suite)
         llm.generate(_prompts(refs)[:1], GREEDY, use_tqdm=False,
                      lora_request=LoRARequest("other", IDS["qv8"], refs["mlp16rs"]["path"]))
     assert not llm.llm_engine.has_unfinished_requests()  # nothing was left half-added

@@ -26,6 +26,7 @@ from collections import OrderedDict
 
 from jaxserve.lora.peft import LoRAWeights, load_adapter
 from jaxserve.lora.request import LoRARequest
+from jaxserve.models import registry
 from jaxserve.models.config import ModelConfig
 
 
@@ -35,6 +36,9 @@ def check_lora_model(cfg: ModelConfig) -> None:
     if cfg.moe is not None:
         raise ValueError(f"enable_lora: LoRA adapters are supported on dense models; {cfg.architecture} "
                          "is a mixture of experts")
+    if registry.is_supported(cfg.architecture) and registry.get_family(cfg.architecture).forward is not None:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported for {cfg.architecture} yet "
+                         "(it runs its own layer body: models/gemma.py)")
 
 
 class LoRAManager:
