@@ -1,0 +1,196 @@
+"""HybridKVCacheManager (sliding-window groups give back blocks outside their window) under random
+allocate / fork / write / free / prefix-hit / swap sequences, in the style of test_kv_cache_manager.
+
+A shadow device holds, per block slot, (group, token) written there. After every step each request must
+read its own tokens, written by the same group, through each group's table at every position its next
+query reads (the whole context for a full group, the window for a sliding one); every cached block must
+hold its hashed tokens; reference counts must equal the tables' non-NULL entries.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from jaxserve.core.hybrid_kv_cache_manager import NULL_BLOCK, HybridKVCacheManager, KVGroup, kv_groups
+
+NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, WINDOW = 24, 4, 16, 5
+GROUPS = kv_groups(3, (0, 2), WINDOW)  # one full group (layer 1), two sliding ones
+
+
+class HybridKVMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = HybridKVCacheManager(GROUPS, NUM_BLOCKS, BLOCK_SIZE, enable_caching=True,
+                                       num_cpu_blocks=NUM_CPU_BLOCKS)
+        self.dev: list[list[tuple[int, int] | None]] = [[None] * BLOCK_SIZE for _ in range(NUM_BLOCKS)]
+        self.cpu: list[list[tuple[int, int] | None]] = [[None] * BLOCK_SIZE for _ in range(NUM_CPU_BLOCKS)]
+        self.tokens: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+        self.swapped: set[str] = set()
+        self.next_id = 0
+
+    def _on_device(self) -> list[str]:
+        return sorted(r for r in self.tokens if r not in self.swapped)
+
+    def _write(self, rid: str, num_computed: int, num_new: int, hits: list[int] | None = None) -> bool:
+        copies = self.kv.allocate_slots(rid, num_computed, num_new, hits)
+        if copies is None:
+            return False
+        for src, dst in copies:
+            self.dev[dst] = list(self.dev[src])
+        for g, table in enumerate(self.kv.req_to_blocks[rid]):
+            for p in range(num_computed, num_computed + num_new):
+                self.dev[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] = (g, self.tokens[rid][p])
+        self.computed[rid] = num_computed + num_new
+        self.kv.cache_blocks(rid, self.tokens[rid], self.computed[rid])
+        return True
+
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=24), data=st.data())
+    def add(self, tokens: list[int], data: st.DataObject) -> None:
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.tokens[rid] = tokens
+        hits = self.kv.get_computed_blocks(rid, tokens)
+        assert len(hits) * BLOCK_SIZE < len(tokens), "at least one token left to compute"
+        num_computed = len(hits) * BLOCK_SIZE
+        if not self._write(rid, num_computed, data.draw(st.integers(1, len(tokens) - num_computed)), hits):
+            del self.tokens[rid]
+            self.kv.forget(rid)
+
+    @precondition(lambda self: self._on_device())
+    @rule(data=st.data(), more=st.lists(st.integers(0, 1), max_size=6))
+    def extend(self, data: st.DataObject, more: list[int]) -> None:
+        rid = data.draw(st.sampled_from(self._on_device()))
+        self.tokens[rid] += more
+        gap = len(self.tokens[rid]) - self.computed[rid]
+        if gap > 0:
+            self._write(rid, self.computed[rid], data.draw(st.integers(1, gap)))
+
+    @precondition(lambda self: any(self.computed[r] > 0 for r in self._on_device()))
+    @rule(data=st.data(), diverge=st.integers(0, 1))
+    def fork(self, data: st.DataObject, diverge: int) -> None:
+        parent = data.draw(st.sampled_from([r for r in self._on_device() if self.computed[r] > 0]))
+        child = f"r{self.next_id}"
+        self.next_id += 1
+        n = self.computed[parent]
+        self.kv.fork(parent, child, n)
+        self.tokens[child] = self.tokens[parent][:n] + [diverge]
+        self.computed[child] = n - 1
+        self._write(child, n - 1, 2)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.kv.forget(rid)
+        del self.tokens[rid], self.computed[rid]
+        self.swapped.discard(rid)
+
+    @precondition(lambda self: self._on_device())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self._on_device()))
+        pairs = self.kv.swap_out(rid)
+        if pairs is not None:
+            for d, c in pairs:
+                self.cpu[c] = list(self.dev[d])
+            self.swapped.add(rid)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.swapped)))
+        pairs = self.kv.swap_in(rid, self.computed[rid], 1)
+        if pairs is not None:
+            for c, d in pairs:
+                self.dev[d] = list(self.cpu[c])
+            self.swapped.discard(rid)
+
+    @invariant()
+    def refcounts_match_tables(self) -> None:
+        pool, owners = self.kv.block_pool, [0] * NUM_BLOCKS
+        for tables in self.kv.req_to_blocks.values():
+            for b in (b for t in tables for b in t if b != NULL_BLOCK):
+                owners[b] += 1
+        for b in range(NUM_BLOCKS):
+            assert pool.ref_counts[b] == owners[b] and pool.is_free(b) == (owners[b] == 0)
+        cpu_owned = [b for ts in self.kv.req_to_cpu_blocks.values() for t in ts for b in t if b != NULL_BLOCK]
+        assert len(cpu_owned) == len(set(cpu_owned))
+        assert self.kv.cpu_pool is not None and self.kv.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS - len(cpu_owned)
+
+    @invariant()
+    def requests_read_their_window(self) -> None:
+        for rid, toks in self.tokens.items():
+            store, tables = ((self.cpu, self.kv.req_to_cpu_blocks[rid]) if rid in self.swapped
+                             else (self.dev, self.kv.req_to_blocks[rid]))
+            c = self.computed[rid]
+            for g, (group, table) in enumerate(zip(GROUPS, tables)):
+                first = 0 if group.window is None else max(0, c - group.window + 1)
+                for p in range(first, c):
+                    assert table[p // BLOCK_SIZE] != NULL_BLOCK, (rid, g, p)
+                    assert store[table[p // BLOCK_SIZE]][p % BLOCK_SIZE] == (g, toks[p]), (rid, g, p)
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self) -> None:
+        pool = self.kv.block_pool
+        for b, h in enumerate(pool.block_hashes):
+            if h is not None:
+                assert tuple(t for _, t in self.dev[b]) == h.token_ids
+                assert len({g for g, _ in self.dev[b]}) == 1, "one group wrote the whole block"
+                assert pool.get_cached_block(h) == b
+
+    def teardown(self) -> None:
+        for rid in list(self.tokens):
+            self.kv.forget(rid)
+        assert self.kv.num_free_blocks == NUM_BLOCKS, "pool returns to fully free"
+        assert self.kv.cpu_pool is not None and self.kv.cpu_pool.num_free_blocks == NUM_CPU_BLOCKS
+
+
+HybridKVMachine.TestCase.settings = settings(max_examples=50, stateful_step_count=40, deadline=None)
+TestHybridKVMachine = HybridKVMachine.TestCase
+
+
+def test_gemma3_groups() -> None:
+    # Gemma 3 270m: 18 layers, layer i global when i % 6 == 5 -> 1 full + 5 sliding groups of 3 layers.
+    groups = kv_groups(18, tuple(i for i in range(18) if i % 6 < 5), 512)
+    assert [g.window for g in groups] == [None] + [512] * 5
+    assert groups[0].layers == (5, 11, 17) and groups[1].layers == (0, 1, 2)
+    assert sorted(i for g in groups for i in g.layers) == list(range(18))
+    assert kv_groups(4, None, None) == [KVGroup(None, (0, 1, 2, 3))]
+
+
+def test_long_request_holds_its_window_only() -> None:
+    kv = HybridKVCacheManager(kv_groups(6, (0, 1, 2, 3, 4), 32), 400, 16)
+    assert kv.allocate_slots("a", 0, 64) == []
+    for c in range(64, 1024):  # decode one token at a time
+        assert kv.allocate_slots("a", c, 1) == []
+    full, *sliding = kv.req_to_blocks["a"]
+    assert NULL_BLOCK not in full and len(full) == 64
+    assert all(sum(b != NULL_BLOCK for b in t) <= 3 for t in sliding), "window 32 spans at most 3 blocks"
+    assert kv.get_block_tables("a")[1][0] == 0, "NULL slots reach the runner as block 0"
+    kv.forget("a")
+    assert kv.num_free_blocks == 400
+
+
+def test_fork_inside_given_back_window_is_refused() -> None:
+    kv = HybridKVCacheManager(kv_groups(2, (0,), 4), 16, 4)
+    kv.allocate_slots("p", 0, 16)
+    kv.allocate_slots("p", 16, 1)  # blocks before position 16 - 4 + 1 - LAG = 11 go back: blocks 0, 1
+    try:
+        kv.fork("p", "c", 9)  # the child recomputes position 8, whose window starts in block 1
+    except RuntimeError as e:
+        assert "window" in str(e)
+    else:
+        raise AssertionError("fork into a given-back window must fail")
+
+
+def test_bad_layout_is_refused() -> None:
+    for bad in ((4, (5,), 8), (4, (0,), 0)):
+        try:
+            kv_groups(*bad)
+        except ValueError as e:
+            assert "sliding" in str(e)
+        else:
+            raise AssertionError(bad)
