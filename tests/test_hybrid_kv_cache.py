@@ -9,11 +9,16 @@ hold its hashed tokens; reference counts must equal the tables' non-NULL entries
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxserve.core.hybrid_kv_cache_manager import NULL_BLOCK, HybridKVCacheManager, KVGroup, kv_groups
+from jaxserve.core.scheduler import ModelOutput, SampledToken, SchedulerConfig, SchedulerOutput
+from tests import scheduler_helpers
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, WINDOW = 24, 4, 16, 5
 GROUPS = kv_groups(3, (0, 2), WINDOW)  # one full group (layer 1), two sliding ones
@@ -186,6 +191,17 @@ def test_fork_inside_given_back_window_is_refused() -> None:
         raise AssertionError("fork into a given-back window must fail")
 
 
+def test_fork_after_the_parents_next_step_was_allocated() -> None:
+    # Async scheduling: the parent (7-token prompt, window 4) has its next two steps allocated when
+    # the child forks and recomputes position 6, whose window starts at position 3, in block 0.
+    kv = HybridKVCacheManager(kv_groups(2, (0,), 4), 16, 4)
+    kv.allocate_slots("p", 0, 7)
+    kv.allocate_slots("p", 7, 1)
+    kv.allocate_slots("p", 8, 1)
+    kv.fork("p", "c", 7)
+    assert kv.allocate_slots("c", 6, 1) is not None and kv.req_to_blocks["c"][1][0] != NULL_BLOCK
+
+
 def test_bad_layout_is_refused() -> None:
     for bad in ((4, (5,), 8), (4, (0,), 0)):
         try:
@@ -194,3 +210,73 @@ def test_bad_layout_is_refused() -> None:
             assert "sliding" in str(e)
         else:
             raise AssertionError(bad)
+
+
+# -- the scheduler with KV groups, against the fake runner's reference outputs ----------------------
+class WindowRunner(scheduler_helpers.FakeRunner):
+    """FakeRunner that also writes every group's table and, before sampling, reads back each group's
+    (group, token, position) at every position that group attends: the whole context for a full group,
+    the window for a sliding one."""
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        super().__init__(cfg)
+        self.gdev: list[list[tuple | None]] = [[None] * cfg.block_size for _ in range(cfg.num_blocks)]
+        self.gcpu: list[list[tuple | None]] = [[None] * cfg.block_size for _ in range(cfg.num_cpu_blocks)]
+
+    def write(self, out: SchedulerOutput) -> None:
+        super().write(out)
+        bs = self.cfg.block_size
+        for d, c in out.swap_out:
+            self.gcpu[c] = list(self.gdev[d])
+        for c, d in out.swap_in:
+            self.gdev[d] = list(self.gcpu[c])
+        for s, d in out.copy_blocks:
+            self.gdev[d] = list(self.gdev[s])
+        for sr in out.scheduled:
+            assert sr.block_tables is not None and sr.block_tables[0] == sr.block_ids
+            for p in range(sr.start_pos, sr.start_pos + len(sr.token_ids)):
+                t = self.dev[sr.block_ids[p // bs]][p % bs][0]  # placeholders resolved by FakeRunner
+                for g, table in enumerate(sr.block_tables):
+                    self.gdev[table[p // bs]][p % bs] = (g, t, p)
+
+    def execute(self, out: SchedulerOutput) -> ModelOutput:
+        self.write(out)
+        bs = self.cfg.block_size
+        for sr in out.scheduled:
+            end = sr.start_pos + len(sr.token_ids)
+            ctx = self.context(sr, end)
+            for g, (group, table) in enumerate(zip(self.cfg.kv_groups, sr.block_tables)):
+                first = 0 if group.window is None else max(0, sr.start_pos - group.window + 1)
+                for p in range(first, end):
+                    assert self.gdev[table[p // bs]][p % bs] == (g, ctx[p], p), (sr.request_id, g, p)
+        sampled = {sr.request_id: SampledToken(scheduler_helpers.next_token(
+            self.context(sr, sr.start_pos + len(sr.token_ids)), scheduler_helpers.salt(sr.request_id)))
+            for sr in out.scheduled if sr.sample}  # FakeRunner.execute's sampling, after the one write
+        self.last = sampled
+        return ModelOutput(sampled)
+
+
+@pytest.mark.parametrize("mode, chunked, caching, async_scheduling", [
+    ("recompute", True, True, False), ("recompute", False, False, True), ("swap", True, True, True)])
+def test_scheduler_with_window_groups(monkeypatch: pytest.MonkeyPatch, mode: str, chunked: bool,
+                                      caching: bool, async_scheduling: bool) -> None:
+    """Preemption, chunked prefill, prefix caching, n = 3 forks and async scheduling with a tight pool:
+    every request's tokens equal the cache-free reference and every group reads its window back."""
+    monkeypatch.setattr(scheduler_helpers, "FakeRunner", WindowRunner)
+    rng = random.Random(7)
+    cfg = SchedulerConfig(num_blocks=60, block_size=4, max_num_seqs=6, max_model_len=64,
+                          max_num_batched_tokens=24 if chunked else 64, enable_chunked_prefill=chunked,
+                          enable_prefix_caching=caching, preemption_mode=mode,
+                          num_cpu_blocks=40 if mode == "swap" else 0, kv_groups=tuple(kv_groups(3, (0, 2), 6)))
+    shared = scheduler_helpers.random_prompt(rng, 12, 12)
+    arrivals, reqs = [], []
+    for i in range(10):
+        prompt = (shared if i % 3 == 0 else []) + scheduler_helpers.random_prompt(rng, 4, 30)
+        for k in range(3 if i % 4 == 1 else 1):
+            req = scheduler_helpers.make_request(f"q{i}" if k == 0 else f"q{i}#{k}", prompt, arrival=float(i),
+                                                 parent=f"q{i}" if k else None, max_tokens=20, ignore_eos=True)
+            arrivals.append((i, req))
+            reqs.append(req)
+    result = scheduler_helpers.run(cfg, arrivals, async_scheduling=async_scheduling)
+    scheduler_helpers.assert_matches_reference(result, reqs, cfg.max_model_len)
+    assert any(o.preempted_ids for o in result.steps), "the pool was meant to be tight"

@@ -68,7 +68,8 @@ class Admission(SchedulerState):
             raise ValueError(f"prompt is {num_prompt} tokens long but max_model_len is "
                              f"{cfg.max_model_len}; it must be shorter to leave room for output")
         # A request alone must fit the pool at its longest, or nothing could ever run it.
-        max_blocks = self.kv.blocks_needed(request.max_total_tokens(cfg.max_model_len) - 1)
+        # (Every group at its longest: a preempted request recomputes its whole context in one step.)
+        max_blocks = self.kv.blocks_needed(request.max_total_tokens(cfg.max_model_len) - 1) * self.kv.num_groups
         if max_blocks > cfg.num_blocks:
             raise ValueError(f"prompt of {num_prompt} tokens (max_model_len {cfg.max_model_len}, "
                              f"max_tokens {request.sampling_params.max_tokens}) can grow to "

@@ -73,6 +73,10 @@ class HybridKVCacheManager(KVCacheManager):
         self.req_to_cpu_blocks: dict[str, list[list[int]]] = {}  # type: ignore[assignment]
 
     # -- queries ------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:  # type: ignore[override]
+        return len(self.groups)
+
     def first_needed(self, group: KVGroup, num_computed_tokens: int) -> int:
         """Index of the first block the group's next query (at num_computed_tokens) may read."""
         if group.window is None:
@@ -187,8 +191,9 @@ class HybridKVCacheManager(KVCacheManager):
             raise RuntimeError(f"request {child_id} already has blocks")
         n = self.blocks_needed(num_tokens)
         shared = [list(t[:n]) for t in self.req_to_blocks[parent_id]]
-        for group, table in zip(self.groups, shared):
-            if NULL_BLOCK in table[self.first_needed(group, num_tokens - 1):]:
+        for group, table in zip(self.groups, shared):  # the child's first query, at num_tokens - 1, reads
+            first = 0 if group.window is None else max(0, num_tokens - group.window) // self.block_size
+            if NULL_BLOCK in table[first:]:
                 raise RuntimeError(f"request {parent_id} gave back blocks inside the window of a fork at "
                                    f"{num_tokens - 1} tokens")
         for table in shared:

@@ -23,6 +23,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
+    num_groups = 1  # block tables per request (HybridKVCacheManager: one per KV group)
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False,
                  num_cpu_blocks: int = 0) -> None:
         if block_size <= 0:

@@ -72,7 +72,7 @@ class Preemption(SchedulerState):
         """Drafts must not take blocks the running requests after this one may need this step
         (a new block each at most): a draft never causes a preemption."""
         end = req.num_computed_tokens + num_new
-        extra = self.kv.blocks_needed(end + num_drafts) - self.kv.blocks_needed(end)
+        extra = (self.kv.blocks_needed(end + num_drafts) - self.kv.blocks_needed(end)) * self.kv.num_groups
         return extra == 0 or self.kv.num_free_blocks - extra >= num_after
 
     def _schedule_swapped(self, out: SchedulerOutput) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from jaxserve.constants import PreemptionMode
+from jaxserve.core.hybrid_kv_cache_manager import KVGroup
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.prefill_only import PaddedBatching
 from jaxserve.core.spec_config import SpeculativeConfig
@@ -47,6 +48,9 @@ class SchedulerConfig:
     # runner: attention inside the step, no KV pool, so num_blocks is unused): its buckets. The
     # scheduler then admits only prefill-only requests, packed by length (prefill_only.pack).
     padded_batching: PaddedBatching | None = None
+    # More than one KV group (hybrid_kv_cache_manager.kv_groups: sliding-window layers): one block
+    # table per group, sliding groups holding their window only. None or one group: one table.
+    kv_groups: tuple[KVGroup, ...] | None = None
 
     @model_validator(mode="after")
     def _check_together(self) -> "SchedulerConfig":
@@ -83,6 +87,9 @@ class ScheduledRequest:
     lora_int_id: int = 0  # the request's LoRA adapter (LoRARequest.lora_int_id); 0: the base model
     pooling: bool = False  # prefill-only: the runner returns the pooled row (ModelOutput.pooled), samples nothing
     token_type_ids: list[int] | None = None  # pooling: the prompt tokens' segments; None: all 0
+    # With several KV groups (SchedulerConfig.kv_groups): each group's table, block_ids being the first
+    # (a full-attention group's); a sliding group's slots outside its window read block 0. None: one group.
+    block_tables: list[list[int]] | None = None
 
 
 @dataclass

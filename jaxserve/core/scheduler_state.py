@@ -21,6 +21,7 @@ import bisect
 from collections import deque
 from collections.abc import Iterable
 
+from jaxserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxserve.core.kv_cache_manager import KVCacheManager
 from jaxserve.core.request import Request, RequestStatus
 from jaxserve.core.scheduler_output import RequestUpdate, ScheduledRequest, SchedulerConfig, SchedulerOutput
@@ -34,6 +35,9 @@ class SchedulerState:
         self.config, self.structured = config, structured or StructuredOutputManager(None, 0)  # grammars
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  config.enable_prefix_caching, config.num_cpu_blocks)
+        if config.kv_groups is not None and len(config.kv_groups) > 1:
+            self.kv = HybridKVCacheManager(list(config.kv_groups), config.num_blocks, config.block_size,
+                                           config.enable_prefix_caching, config.num_cpu_blocks)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted oldest first
@@ -134,6 +138,7 @@ class SchedulerState:
             request_id=req.request_id, token_ids=req.token_ids_between(start, start + num_new) + list(drafts),
             start_pos=start,
             block_ids=list(self.kv.get_block_ids(req.request_id)),
+            block_tables=self.kv.get_block_tables(req.request_id) if self.kv.num_groups > 1 else None,
             sample=start + num_new == req.num_tokens and not req.pooling, num_drafts=len(drafts),
             sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
             num_output_tokens=req.num_output_tokens + req.num_output_placeholders,
