@@ -99,34 +99,26 @@ class HybridKVCacheManager(KVCacheManager):
     def _group_hash(g: int, h: BlockHash) -> BlockHash:
         return BlockHash(hash((g, h.hash_value)), h.token_ids)
 
-    def _hit_tables(self, hashes: list[BlockHash], h: int) -> list[list[int]] | None:
-        """Every group's table for a hit of h blocks, or None where a needed block is not cached."""
-        tables = []
-        for g, group in enumerate(self.groups):
-            first = self.first_needed(group, h * self.block_size)
-            table = [NULL_BLOCK] * first
-            for i in range(first, h):
-                block = self.block_pool.get_cached_block(self._group_hash(g, hashes[i]))
-                if block is None:
-                    return None
-                table.append(block)
-            tables.append(table)
-        return tables
+    def _cached(self, g: int, hashes: list[BlockHash], i: int) -> int | None:
+        return self.block_pool.get_cached_block(self._group_hash(g, hashes[i]))
 
     def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> GroupedHits:  # type: ignore[override]
-        """Longest h (full blocks, one token left uncomputed) every group can serve. Takes no references."""
+        """Longest h (full blocks, one token left uncomputed) every group can serve: full groups their
+        whole prefix, sliding ones the window before h * block_size (the rest NULL). Takes no references."""
         if not self.enable_caching:
             return GroupedHits([])
         hashes = self._hashes(request_id, token_ids)[:(len(token_ids) - 1) // self.block_size]
         h = len(hashes)
         for g, group in enumerate(self.groups):  # full groups bound h by their contiguous prefix
             if group.window is None:
-                h = next((i for i in range(h) if self.block_pool.get_cached_block(
-                    self._group_hash(g, hashes[i])) is None), h)
-        for n in range(h, 0, -1):
-            tables = self._hit_tables(hashes, n)
-            if tables is not None:
-                return GroupedHits(tables)
+                h = next((i for i in range(h) if self._cached(g, hashes, i) is None), h)
+        sliding = [g for g, group in enumerate(self.groups) if group.window is not None]
+        for n in range(h, 0, -1):  # sliding groups: only their window is looked up (O(h * window))
+            if all(self._cached(g, hashes, i) is not None
+                   for g in sliding for i in range(self.first_needed(self.groups[g], n * self.block_size), n)):
+                return GroupedHits([[NULL_BLOCK] * (first := self.first_needed(group, n * self.block_size))
+                                    + [self._cached(g, hashes, i) for i in range(first, n)]  # type: ignore[misc]
+                                    for g, group in enumerate(self.groups)])
         return GroupedHits([])
 
     def cache_blocks(self, request_id: str, token_ids: list[int], num_computed_tokens: int) -> None:
