@@ -9,19 +9,16 @@ of each family at its hub shape against transformers' own parameter count."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.worker_run import run_json_worker
 from tests.family_fixtures import ORIGINAL, save_checkpoint, write_gguf
 from tests.logprob_parity import assert_logprobs_close
 from tests.moe_fixtures import PROMPTS, engine_run, hf_reference, make_engine
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_TOKENS = 8
 LONG = [int(x) for x in np.random.default_rng(7).integers(3, 256, ORIGINAL + 4)]  # past the original length
 STRADDLE = LONG[:10]  # 10 prompt + 8 generated: crosses the original length while generating
@@ -158,13 +155,8 @@ def test_olmo2_tensor_parallel_greedy_equals_transformers(checkpoints):
     squares across both shards), the tokens and logprobs of transformers."""
     path = checkpoints["olmo2"]
     reference, ref_logprobs = hf_reference(path, PROMPTS, MAX_TOKENS)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
     options = json.dumps({"settings": {"olmo2": [[2, 1, False]]}, "prompts": PROMPTS, "engine": ENGINE})
-    proc = subprocess.run([sys.executable, "-m", "tests.moe_worker", "--options", options, str(path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])["olmo2/tp2/pp1"]
+    r = run_json_worker("moe_worker", "--options", options, str(path), devices=2)["olmo2/tp2/pp1"]
     assert r["tokens"] == reference
     assert_logprobs_close(r["logprobs"], ref_logprobs, what="olmo2 tp2")
 

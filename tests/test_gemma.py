@@ -14,18 +14,15 @@ transformers' recorded float32 tokens of the same file (tests/gemma3_270m_refere
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.worker_run import run_json_worker
 from tests.gemma_fixtures import MAX_TOKENS, PROMPTS, save_gemma, write_gemma_gguf
 from tests.logprob_parity import assert_logprobs_close, reference_logprobs
 from tests.moe_fixtures import engine_run, hf_reference, make_engine
 
-ROOT = Path(__file__).resolve().parent.parent
 # llama.cpp's GGUF cannot say query_pre_attn_scalar (it takes head_dim's scale below 27B) nor the local
 # RoPE base (10000 for gemma3): the GGUF checks' checkpoints keep to what the format can hold
 GGUF_OVERRIDES = {"gemma2": dict(query_pre_attn_scalar=16),
@@ -160,14 +157,9 @@ def jax_leaves(params: dict) -> list[tuple[str, object]]:
 
 @pytest.mark.multidevice
 def test_tensor_parallel_equals_transformers(checkpoints):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(ROOT)}
     opts = json.dumps({"prompts": PROMPTS, "max_tokens": MAX_TOKENS})
-    proc = subprocess.run([sys.executable, "-m", "tests.gemma_worker", opts,
-                           *(str(checkpoints[n][0]) for n in ("gemma2", "gemma3"))],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_json_worker("gemma_worker", opts, *(str(checkpoints[n][0]) for n in ("gemma2", "gemma3")),
+                              devices=2)
     for name in ("gemma2", "gemma3"):
         r = results[name]
         assert "model" in r["wq_spec"]  # the heads really are split

@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from jaxserve import LLM, LoRARequest, SamplingParams
+from tests.worker_run import run_json_worker
 from tests.conftest import ENGINE
 from tests.logprob_parity import assert_logprobs_close, generated_logprobs
 from tests.lora_helpers import ADAPTERS, NUM_TOKENS, make_adapters
@@ -281,19 +282,9 @@ def test_tensor_parallel_2_matches_peft(refs, tmp_path):
     """TP 2 on 2 fake CPU devices (a subprocess: the device count is fixed at start-up). SmolLM2's
     9 heads do not split over 2, so attention and its adapters stay replicated while the MLP and its
     adapters (gate/up: B split on out; down: A split on in) are split."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
     refs_path = tmp_path / "refs.json"
     refs_path.write_text(json.dumps(refs))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-m", "tests.lora_tp_worker", str(refs_path)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_json_worker("lora_tp_worker", str(refs_path), devices=2)
     want = {f"base/{i}": t for i, t in enumerate(refs["base"])}
     want.update({f"{n}/{i}": t for n in ADAPTERS for i, t in enumerate(refs[n]["tokens"])})
     assert result["tokens"] == want

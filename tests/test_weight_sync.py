@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -21,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.worker_run import run_json_worker
 from tests.logprob_parity import assert_logprobs_close, generated_logprobs, reference_logprobs
 
 pytestmark = pytest.mark.slow
@@ -215,16 +213,10 @@ def test_quantized_engine_requantizes_what_it_receives(dirs, quantization):
 def test_tensor_parallel_update_from_unsharded_weights(dirs, tmp_path):
     """TP 2 (2 fake CPU devices, a subprocess): the merged weights given unsharded (numpy, and jax
     arrays on one device) are split onto the engine's shardings; tokens as transformers'."""
-    root = Path(__file__).resolve().parents[1]
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps({"base": str(dirs["base"]), "merged": str(dirs["merged"]), "refs": dirs["refs"],
                                 "prompts": PROMPTS, "num_tokens": NUM_TOKENS}))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-m", "tests.weight_sync_tp_worker", str(spec)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_json_worker("weight_sync_tp_worker", str(spec), devices=2)
     for kind in ("numpy", "jax"):
         assert result[kind]["tokens"] == dirs["refs"]["merged"]["tokens"], kind
         assert_logprobs_close(result[kind]["logprobs"], dirs["refs"]["merged"]["logprobs"], what=f"TP 2 {kind}")

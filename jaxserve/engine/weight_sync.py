@@ -37,7 +37,7 @@ from jaxserve.parallel.jit import fresh_jit
 from jaxserve.quantization.qweight import QuantizedWeight
 from jaxserve.quantization.quantize import LINEAR_LEAVES, calibration_ids, quantize_params, quantize_weight
 from jaxserve.weights import hf_names
-from jaxserve.weights.hf_names import FUSED, TOP_LEVEL, Given, HFTensor
+from jaxserve.weights.hf_names import FUSED, TOP_LEVEL, Given
 
 # what the runner adds to the served params besides the weights (LoRA slots and their owners,
 # a MoE stack's per-layer views): kept as they are across an update
