@@ -51,6 +51,17 @@ def kv_groups(num_layers: int, sliding_layers: tuple[int, ...] | None, window: i
             + [KVGroup(window, tuple(sliding[j:j + k])) for j in range(0, len(sliding), k)])
 
 
+def layer_slots(num_layers: int, sliding_layers: tuple[int, ...] | None,
+                window: int | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(group, slot) of every layer under kv_groups: the block table it reads and its index in the
+    pool's k-layer axis (the runner's layer scan takes both as data, models/gemma.py)."""
+    group, slot = [0] * num_layers, [0] * num_layers
+    for g, kv_group in enumerate(kv_groups(num_layers, sliding_layers, window)):
+        for s, layer in enumerate(kv_group.layers):
+            group[layer], slot[layer] = g, s
+    return tuple(group), tuple(slot)
+
+
 class GroupedHits(list):
     """get_computed_blocks' answer: as a list, the first group's hit blocks (len() * block_size is the
     number of cached tokens, as the scheduler reads it); `.tables`, every group's table (NULL outside)."""

@@ -34,6 +34,7 @@ from jaxserve.core.spec_decode import SpeculativeConfig
 from jaxserve.engine.args import EngineArgs
 from jaxserve.worker import batch_invariant, sizing
 from jaxserve.worker.sizing import CHUNKED_PREFILL_TOKENS  # noqa: F401  (re-exported: the default's name)
+from jaxserve.worker.kv_groups import KVLayout
 from jaxserve.worker.model_runner import RunnerConfig
 
 
@@ -52,6 +53,8 @@ class EngineConfig:
     num_gpu_blocks: int = 0  # 0 until with_blocks(): the KV pool is sized after the model is loaded
     num_cpu_blocks: int = 0  # the host swap pool (preemption_mode="swap")
     batch_invariant: bool = False  # --batch-invariant or VLLM_BATCH_INVARIANT=1 (worker/batch_invariant.py)
+    # sliding-window KV groups (worker/kv_groups.py), set by the engine from the model; None: one table
+    kv_layout: KVLayout | None = None
 
     @classmethod
     def resolve(cls, args: EngineArgs, max_position_embeddings: int, platform: str) -> "EngineConfig":
@@ -88,6 +91,8 @@ class EngineConfig:
     @property
     def min_blocks(self) -> int:
         """The blocks one request of max_model_len needs: the smallest usable pool."""
+        if self.kv_layout is not None:  # every group's table at its longest (the admission check's figure)
+            return self.kv_layout.min_blocks(self.max_model_len, self.block_size)
         return -(-self.max_model_len // self.block_size)
 
     def with_blocks(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> "EngineConfig":
@@ -101,7 +106,8 @@ class EngineConfig:
             enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
             preemption_mode=a.preemption_mode, num_cpu_blocks=self.num_cpu_blocks, speculative=self.speculative,
             pipeline_depth=a.pipeline_parallel_size if self.async_scheduling else 1,
-            max_loras=a.max_loras if a.enable_lora else 0)
+            max_loras=a.max_loras if a.enable_lora else 0,
+            kv_groups=self.kv_layout.groups if self.kv_layout is not None else None)
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -116,7 +122,7 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             backend=self.attention_backend, num_cpu_blocks=self.num_cpu_blocks, kv_cache_dtype=self.kv_cache_dtype,
             bf16_dots_from=self.bf16_dots_from, logprobs_mode=a.logprobs_mode,
-            head_float32=a.head_dtype == "float32", batch_invariant=self.batch_invariant)
+            head_float32=a.head_dtype == "float32", batch_invariant=self.batch_invariant, kv_layout=self.kv_layout)
 
 
 def default_bf16_dots_from(args: EngineArgs, platform: str) -> int:

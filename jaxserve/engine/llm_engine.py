@@ -34,6 +34,7 @@ from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.config import EngineConfig, default_bf16_dots_from
 from jaxserve.engine.generation_config import generation_defaults
 from jaxserve.worker import sizing
+from jaxserve.worker.kv_groups import kv_layout
 from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
 from jaxserve.worker.model_runner import ModelRunner, PendingStep, activation_bytes, num_compilations
 from jaxserve.engine.outputs import RequestOutput
@@ -154,7 +155,10 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
                                                            args.override_generation_config)
         config = EngineConfig.resolve(args, cfg.max_position_embeddings, jax.default_backend())
         # (resolve_backend: the one hook tests use to run the Pallas kernels in interpret mode)
-        config = dataclasses.replace(config, attention_backend=resolve_backend(args.attention_backend))
+        config = dataclasses.replace(config, attention_backend=resolve_backend(args.attention_backend),
+                                     kv_layout=kv_layout(cfg, config.max_model_len,
+                                                         pipeline_parallel_size=args.pipeline_parallel_size,
+                                                         batch_invariant=config.batch_invariant))
         self.config = self._size_kv(config, mesh)
         self.max_model_len, self.block_size = self.config.max_model_len, self.config.block_size
         self.num_gpu_blocks, self.num_cpu_blocks = self.config.num_gpu_blocks, self.config.num_cpu_blocks
@@ -203,6 +207,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         kv_dtype = kv_pool_dtype(config.kv_cache_dtype, self.model_dtype, config.attention_backend)
         per_block = kv_bytes_per_block(cfg, config.block_size, kv_dtype, mesh, args.pipeline_parallel_size,
                                        args.tensor_parallel_size)
+        if config.kv_layout is not None:  # a block of k layers (worker/kv_groups.py)
+            per_block = config.kv_layout.bytes_per_block(per_block, cfg.num_layers)
         # What one device holds: its shard of each weight (tests/test_plan.py checks it against the arrays).
         tp = parallel.tensor_parallel_size(mesh) if mesh is not None else args.tensor_parallel_size
         width = jnp.dtype(self.model_dtype).itemsize
@@ -438,13 +444,16 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         if self.config is None:  # an encoder: no KV pool
             return self._encoder_report()
         per_req = -(-self.max_model_len // self.block_size)
+        layout = self.config.kv_layout
+        if layout is not None:  # KV groups: a long request's steady holding (sliding groups: their window)
+            per_req = layout.blocks_held(self.max_model_len, self.block_size)
         kv_values = kv_values_dtype(self.config.kv_cache_dtype, self.model_dtype).name
         sharding = ("" if self.mesh is None else
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
                 f"loaded in {self.load_seconds:.1f}s; weights: {self.weight_bytes / 2**20:.1f} MiB per device "
                 f"({self.model.quantization or self.args.quantization or 'not quantized'}); KV pool: {self.num_gpu_blocks} blocks of "
-                f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}), max "
+                f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}{layout.describe() if layout is not None else ''}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; "
                 + ("warm-up skipped (--enforce-eager): programs compile on first use, counted by "

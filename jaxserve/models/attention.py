@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,23 @@ class AttentionMetadata:
     # kernel, whose grid (sequence, kv head, split) fits such steps; the ragged kernel's query
     # tiles reached only 41-77% of copy bandwidth there (BENCHMARKS.md, "First GPU run").
     decode_only: bool = field(default=False, metadata=dict(static=True))
+    # Sliding-window KV groups (worker/kv_groups.py; vLLM's hybrid allocator): every group's block
+    # tables [G, max_num_seqs, max_blocks_per_seq] and slot mappings [G, T] (block_tables and
+    # slot_mapping above are group 0's). A layer reads its group's through group_view. None: one table
+    # for every layer (the same programs as before groups existed).
+    group_block_tables: jax.Array | None = None
+    group_slot_mapping: jax.Array | None = None
+
+
+def group_view(md: AttentionMetadata, layer: jax.Array, group: jax.Array | None,
+               slot: jax.Array | None) -> tuple[AttentionMetadata, jax.Array]:
+    """The metadata and pool index one layer of the scan reads: with KV groups, its group's table
+    and slot mapping (picked as data, so one layer body serves every group) and its slot in the
+    pool's [k, ...] layer axis; without, `md` and the layer itself."""
+    if md.group_block_tables is None or group is None:
+        return md, layer
+    return replace(md, block_tables=md.group_block_tables[group], slot_mapping=md.group_slot_mapping[group],
+                   group_block_tables=None, group_slot_mapping=None), slot
 
 
 def resolve_backend(name: str) -> str:

@@ -29,6 +29,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from jaxserve.core.hybrid_kv_cache_manager import layer_slots
 from jaxserve.models import attention, registry
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig, _rope_from_hf
@@ -161,16 +162,20 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
 
     def layer_body(carry, xs):
         h, k_cache, v_cache = carry
-        lp, layer = xs
+        lp, layer, group, slot = xs
+        layer_md, pool_layer = attention.group_view(md, layer, group, slot)  # KV groups: its group's table
         inv = inv_global if "sliding" not in lp else jnp.where(lp["sliding"] > 0, inv_local, inv_global)
         attn, (k_cache, v_cache) = _attention(cfg, backend, lp, gemma_norm(h, lp["attn_norm"], eps), positions,
-                                              (k_cache, v_cache), md, layer, inv, dots)
+                                              (k_cache, v_cache), layer_md, pool_layer, inv, dots)
         h = h + gemma_norm(attn, lp["post_attn_norm"], eps)
         mlp = geglu(cfg, lp, gemma_norm(h, lp["mlp_norm"], eps), dots)
         return (h + gemma_norm(mlp, lp["post_mlp_norm"], eps), k_cache, v_cache), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
+    groups = slots = None  # with KV groups (worker/kv_groups.py): each layer's group and its pool slot
+    if md.group_block_tables is not None:
+        groups, slots = map(jnp.asarray, layer_slots(cfg.num_layers, cfg.sliding_layers, cfg.sliding_window))
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids, groups, slots))
     return (k_cache, v_cache), gemma_norm(h, params["final_norm"], eps)
 
 

@@ -75,9 +75,10 @@ def _with_split(leaf):
 
 
 def make_sharded_kv_cache(mesh: Mesh, cfg: ModelConfig, num_blocks: int, block_size: int,
-                          dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
-    """The zeroed pool (like attention.make_kv_cache), created directly in its shards."""
-    shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+                          dtype: jnp.dtype, num_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """The zeroed pool (like attention.make_kv_cache), created directly in its shards; num_layers: the
+    pool's layer axis when not the model's (KV groups of k layers, worker/kv_groups.py)."""
+    shape = (num_layers or cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
     sharding = kv_cache_sharding(mesh, cfg)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return zeros(), zeros()

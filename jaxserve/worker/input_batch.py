@@ -20,6 +20,7 @@ import numpy as np
 from jaxserve.core.request import PLACEHOLDER
 from jaxserve.core.scheduler_output import SchedulerOutput
 from jaxserve.models.attention import AttentionMetadata
+from jaxserve.worker import kv_groups
 
 
 @jax.tree_util.register_dataclass
@@ -128,12 +129,14 @@ def bucket_for(n: int, grid: list[int]) -> int:
 
 def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_blocks_per_seq: int,
          block_size: int, prev_sample_rows: Mapping[str, int] | None = None, *,
-         decode_only: bool = False, lora_slots: Mapping[int, int] | None = None) -> tuple[StepInput, list[int]]:
+         decode_only: bool = False, lora_slots: Mapping[int, int] | None = None,
+         num_groups: int = 1) -> tuple[StepInput, list[int]]:
     """Host-side numpy batch, and the flat rows to sample (in order): each sampling request's last
     token, preceded by its last real token's row and its other drafts' when it carries drafts.
     `prev_sample_rows`: request id -> its row in the previous step's sampled ids, for PLACEHOLDER inputs.
     decode_only (static in the metadata: its own compiled program) needs is_decode_only(out).
-    lora_slots: LoRA adapter id -> its device slot, for requests with an adapter (lora_int_id > 0)."""
+    lora_slots: LoRA adapter id -> its device slot, for requests with an adapter (lora_int_id > 0).
+    num_groups > 1: the pool's KV groups (worker/kv_groups.py): every group's tables and slots too."""
     if decode_only and not is_decode_only(out) and out.scheduled:
         raise ValueError("decode_only: a scheduled request has more than one new token")
     prev_rows_by_id = prev_sample_rows or {}
@@ -166,6 +169,9 @@ def pack(out: SchedulerOutput, num_tokens_padded: int, max_num_seqs: int, max_bl
         if sr.sample:  # the last token's row, and one after each speculative draft
             sample_rows.extend(range(t - 1 - sr.num_drafts, t))
     cu[len(out.scheduled) + 1:] = t
+    groups = (None, None) if num_groups == 1 else kv_groups.pack_groups(
+        out, num_tokens_padded, max_num_seqs, max_blocks_per_seq, block_size, num_groups)
     attn = AttentionMetadata(slot_mapping=slots, kv_lens=kv_lens, block_tables=tables, cu_q_lens=cu,
-                             num_seqs=np.asarray([len(out.scheduled)], np.int32), decode_only=decode_only)
+                             num_seqs=np.asarray([len(out.scheduled)], np.int32), decode_only=decode_only,
+                             group_block_tables=groups[0], group_slot_mapping=groups[1])
     return StepInput(tokens, positions, prev_rows, attn, adapter_slots), sample_rows

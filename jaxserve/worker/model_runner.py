@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from jaxserve import parallel
 from jaxserve.worker import batch_invariant
+from jaxserve.worker.kv_groups import KVLayout
 from jaxserve.worker.programs import (_copy_blocks, _fetch, _gather_blocks, _gather_rows, _model_step,  # noqa: F401
                                       _model_step_fn, _prompt_logprobs_step, _rows_like, _sample_step,
                                       _scatter_blocks, StepPrograms, num_compilations)
@@ -62,6 +63,11 @@ class RunnerConfig:
     logprobs_mode: str = "raw_logprobs"  # EngineArgs.logprobs_mode (sample/sampler.py)
     head_float32: bool = False  # EngineArgs.head_dtype == "float32" (worker/lm_head.py)
     batch_invariant: bool = False  # EngineArgs.batch_invariant (worker/batch_invariant.py)
+    kv_layout: KVLayout | None = None  # sliding-window KV groups (worker/kv_groups.py); None: one table
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.kv_layout.num_groups if self.kv_layout is not None else 1
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -152,13 +158,16 @@ class ModelRunner:
             # (one CPU device): the batched expert dots read them in place (models/expert_weights.py)
             self.params = {**self.params, "layers": with_layer_views(self.params["layers"])}
         dtype = rc.kv_dtype((pipeline.params[0] if pipeline else self.params)["embed"].dtype)
+        # KV groups: a block holds k layers of whichever group owns it (worker/kv_groups.py)
+        pool_layers = rc.kv_layout.size if rc.kv_layout is not None else self.cfg.num_layers
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
         elif mesh is None:
-            self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
+            self.kv = make_kv_cache(pool_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
                                     self.cfg.head_dim, dtype)
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
-            self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
+            self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype,
+                                                     num_layers=pool_layers)
         self.token_buckets, self.decode_buckets, self.seq_buckets = step_grids(
             rc.backend in PALLAS_BACKENDS, rc.max_num_seqs, rc.max_num_batched_tokens)
         if rc.batch_invariant:  # every dot at M >= 64 (worker/batch_invariant.py)
@@ -168,7 +177,7 @@ class ModelRunner:
         self.num_mask_words = (self.cfg.vocab_size + 31) // 32  # the sampler's token bitmask width
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
-        host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
+        host_shape = (pool_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
                       self.cfg.head_dim)
         self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
         self._copy_blocks = (pipeline.per_stage(programs.copy_blocks) if pipeline is not None
@@ -264,7 +273,7 @@ class ModelRunner:
 
     def _empty_batch(self, num_tokens: int, decode_only: bool = False) -> StepInput:
         batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq,
-                        self.rc.block_size, decode_only=decode_only)
+                        self.rc.block_size, decode_only=decode_only, num_groups=self.rc.num_kv_groups)
         return self._per_token(batch)
 
     def _per_token(self, batch: StepInput) -> StepInput:
@@ -299,7 +308,8 @@ class ModelRunner:
         decode_only = bool(self.decode_buckets) and is_decode_only(out)  # Pallas: the decode kernel's programs
         t = bucket_for(out.num_batched_tokens, self.decode_buckets if decode_only else self.token_buckets)
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
-                                  self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots)
+                                  self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots,
+                                  num_groups=self.rc.num_kv_groups)
         batch = self._per_token(batch)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows

@@ -1,0 +1,116 @@
+"""Sliding-window layers hold only their window in the KV pool, end to end (issue 49, the runner side).
+
+A tiny random Gemma 3 saved by transformers with 12 layers (10 sliding, window 8; 2 global): KV groups of
+k = 2 layers (one full group, layers 5 and 11; five sliding ones), so the pool is [2, ...] and layers read
+slot 1 as well as slot 0 of their group's blocks. Float32 under the exact flags, the engine's greedy
+tokens equal transformers' and each logprob is within 1e-4, with prompts and generations past the
+window (blocks given back while the requests run, checked on the scheduler's tables), a prefix-cache hit
+on a finished request's blocks, and recompute preemption in a pool too small for three such requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.gemma_fixtures import save_gemma
+from tests.logprob_parity import assert_logprobs_close, generated_logprobs
+from tests.moe_fixtures import hf_reference, make_engine
+
+PREFIX = [(7 * i + 3) % 250 + 2 for i in range(40)]
+FIRST = [PREFIX + [11, 12, 13]]  # runs alone: its blocks are still cached when the second wave starts
+SECOND = [PREFIX + [21, 22], [(5 * i + 1) % 240 + 3 for i in range(37)], [9, 200, 31] * 12]
+MAX_TOKENS = 20
+NUM_BLOCKS = 36  # 6 groups x 6 blocks (max_model_len 96): one request at its longest, not three at ~60 tokens
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory) -> tuple[Path, dict[str, tuple[list[list[int]], list[list[float]]]]]:
+    path = save_gemma("gemma3", tmp_path_factory.mktemp("swa") / "gemma3", num_hidden_layers=12)
+    return path, {"first": hf_reference(path, FIRST, MAX_TOKENS), "second": hf_reference(path, SECOND, MAX_TOKENS)}
+
+
+def _run_watching(engine, prompts: list[list[int]], tag: str) -> tuple[list[list[int]], list[list[float]], int]:
+    """Greedy tokens and logprobs of `prompts` (in flight together), and the most blocks any one step
+    saw given back (NULL slots in the sliding groups' tables of the running requests)."""
+    from jaxserve.core.hybrid_kv_cache_manager import NULL_BLOCK
+    from jaxserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, params)
+    done, most_freed = {}, 0
+    kv = engine.scheduler.kv
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+        freed = sum(b == NULL_BLOCK for tables in kv.req_to_blocks.values() for t in tables for b in t)
+        most_freed = max(most_freed, freed)
+    outs = [done[f"{tag}{i}"] for i in range(len(prompts))]
+    return [list(o.token_ids) for o in outs], [generated_logprobs(o) for o in outs], most_freed
+
+
+def test_gemma3_groups_free_blocks_and_equal_transformers(gemma3):
+    from jaxserve.core.hybrid_kv_cache_manager import HybridKVCacheManager
+
+    path, reference = gemma3
+    engine = make_engine(path, enforce_eager=True, max_model_len=96, max_num_seqs=3, enable_prefix_caching=True,
+                         num_gpu_blocks_override=NUM_BLOCKS)
+    try:
+        layout = engine.config.kv_layout
+        assert layout is not None and (layout.num_groups, layout.size) == (6, 2)
+        assert [g.layers for g in layout.groups][:2] == [(5, 11), (0, 1)]
+        assert isinstance(engine.scheduler.kv, HybridKVCacheManager)
+        assert engine.runner.kv[0].shape[:3] == (2, 2, NUM_BLOCKS)  # [k, kv heads, blocks]: k layers a block
+        for wave, prompts in (("first", FIRST), ("second", SECOND)):
+            tokens, logprobs, freed = _run_watching(engine, prompts, wave)
+            assert tokens == reference[wave][0], wave
+            assert_logprobs_close(logprobs, reference[wave][1], what=f"gemma3 groups, {wave} wave")
+            assert freed > 0, f"{wave}: no sliding group gave a block back"
+        stats = engine.get_stats()
+        assert stats.prefix_cache_hits >= 32  # the second wave's first prompt found the first's 2 blocks
+        assert stats.num_preemptions > 0  # three requests outgrow the 36 blocks: recompute
+        assert engine.scheduler.kv.num_free_blocks == NUM_BLOCKS  # everything given back at the end
+    finally:
+        engine.shutdown()
+
+
+def test_layout_only_where_it_applies(gemma3):
+    """Groups for a Gemma whose window a request can outgrow; one table (None) for a full-attention
+    model, a window no request reaches, pipeline stages and --batch-invariant."""
+    from jaxserve.weights.safetensors_dir import read_config
+    from jaxserve.worker.kv_groups import kv_layout
+
+    cfg = read_config(gemma3[0])
+    assert kv_layout(cfg, 96) is not None
+    assert kv_layout(dataclasses.replace(cfg, architecture="LlamaForCausalLM", sliding_layers=None,
+                                         sliding_window=None), 96) is None
+    assert kv_layout(cfg, 8) is None  # window 8 >= max_model_len: nothing could ever be freed
+    assert kv_layout(cfg, 96, pipeline_parallel_size=2) is None
+    assert kv_layout(cfg, 96, batch_invariant=True) is None
+
+
+def test_pack_groups_lays_out_every_group():
+    """Each group's table and slots in pack's token order; block 0 where a sliding group gave its block back."""
+    from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.worker.input_batch import pack
+
+    sp = SamplingParams(max_tokens=1)
+    a = ScheduledRequest(request_id="a", token_ids=[1, 2], start_pos=30, block_ids=[4, 5],
+                         block_tables=[[4, 5], [0, 7]], sample=True, sampling_params=sp)
+    b = ScheduledRequest(request_id="b", token_ids=[3], start_pos=3, block_ids=[6], block_tables=[[6], [8]],
+                         sample=True, sampling_params=sp)
+    batch, _ = pack(SchedulerOutput(scheduled=[a, b]), 4, 4, 3, 16, num_groups=2)
+    md = batch.attn
+    np.testing.assert_array_equal(md.group_slot_mapping, [[5 * 16 + 14, 5 * 16 + 15, 6 * 16 + 3, -1],
+                                                          [7 * 16 + 14, 7 * 16 + 15, 8 * 16 + 3, -1]])
+    np.testing.assert_array_equal(md.group_block_tables[1, :2], [[0, 7, 0], [8, 0, 0]])
+    np.testing.assert_array_equal(md.group_slot_mapping[0], md.slot_mapping)  # group 0 is block_ids'
+    np.testing.assert_array_equal(md.group_block_tables[0], md.block_tables)
+    one, _ = pack(SchedulerOutput(scheduled=[a, b]), 4, 4, 3, 16)
+    assert one.attn.group_block_tables is None and one.attn.group_slot_mapping is None  # the old program's tree
