@@ -23,7 +23,7 @@ from tests.moe_fixtures import hf_reference, make_engine
 PREFIX = [(7 * i + 3) % 250 + 2 for i in range(40)]
 FIRST = [PREFIX + [11, 12, 13]]  # runs alone: its blocks are still cached when the second wave starts
 SECOND = [PREFIX + [21, 22], [(5 * i + 1) % 240 + 3 for i in range(37)], [9, 200, 31] * 12]
-MAX_TOKENS = 20
+MAX_TOKENS = 12
 NUM_BLOCKS = 36  # 6 groups x 6 blocks (max_model_len 96): one request at its longest, not three at ~60 tokens
 
 
@@ -114,3 +114,28 @@ def test_pack_groups_lays_out_every_group():
     np.testing.assert_array_equal(md.group_block_tables[0], md.block_tables)
     one, _ = pack(SchedulerOutput(scheduled=[a, b]), 4, 4, 3, 16)
     assert one.attn.group_block_tables is None and one.attn.group_slot_mapping is None  # the old program's tree
+
+
+def test_plan_counts_sliding_groups_at_long_context():
+    """`jaxserve plan` on Gemma 3 1b's hub config (26 layers: 4 global, 22 sliding, window 512) at 32k
+    context: blocks of k = 2 layers, a sequence holding 2 full groups' 2,048 blocks and 11 sliding
+    groups' 34 (the window, LAG and the block it starts in): 17% of the same shape's full-attention KV."""
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.plan.estimate import Setting, estimate
+
+    hf = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=262144, hidden_size=1152,
+              intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+              head_dim=256, query_pre_attn_scalar=256, sliding_window=512, sliding_window_pattern=6,
+              rope_theta=1000000, rope_local_base_freq=10000, rope_scaling=None, max_position_embeddings=32768)
+    cfg = ModelConfig.from_hf(hf)
+    full = dataclasses.replace(cfg, sliding_layers=None, sliding_window=None)
+    kw = dict(gpu=None, max_model_len=32768, kv_cache_memory=8 << 30)
+    grouped, dense = estimate(Setting(cfg, **kw)), estimate(Setting(full, **kw))
+    assert dense["kv_groups"] is None and dense["kv_bytes_per_block"] == 26 * 2 * 256 * 16 * 2
+    assert grouped["kv_bytes_per_block"] == 2 * 2 * 256 * 16 * 2
+    assert grouped["blocks_per_seq"] == 2 * 2048 + 11 * 34 and dense["blocks_per_seq"] == 2048
+    ratio = (grouped["blocks_per_seq"] * grouped["kv_bytes_per_block"]
+             / (dense["blocks_per_seq"] * dense["kv_bytes_per_block"]))
+    assert 0.16 < ratio < 0.18
+    assert grouped["max_concurrent_seqs"] >= 5 * dense["max_concurrent_seqs"]
+    assert not estimate(Setting(cfg, gpu=None, max_model_len=32768, kv_cache_memory=200 << 20))["fits"]  # < 13 x 32k

@@ -3,7 +3,8 @@
     weights          sizing.weight_bytes_per_device (largest pipeline stage, TP shard, quantization)
     activations      sizing.activation_bytes_estimate (the engine measures it by a dry run on GPUs)
     LoRA slots       sizing.lora_slot_bytes (--enable-lora: max_loras x max_lora_rank, every projection)
-    KV               sizing.kv_bytes_per_block; blocks = (memory x utilization - weights - LoRA - activations)
+    KV               sizing.kv_bytes_per_block (with sliding-window KV groups, worker/kv_groups.py: a block
+                     of k layers, a sequence holding its sliding groups' windows only); blocks = (memory x utilization - weights - LoRA - activations)
                      // per block (on `cpu`: --kv-cache-memory // per block, as the engine there)
     fits             at least one sequence of max_model_len fits in the pool
     roofline         decode is memory-bound: a step reads this device's weights and the batch's KV,
@@ -19,6 +20,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.plan.gpus import Gpu
 from jaxserve.worker import sizing
+from jaxserve.worker.kv_groups import kv_layout
 from jaxserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES
 
 TP_SIZES = (1, 2, 4, 8)
@@ -57,6 +59,10 @@ def estimate(s: Setting) -> dict:
     lora = sizing.lora_slot_bytes(cfg, s.max_loras, s.max_lora_rank, s.dtype_bytes, tp)
     per_block = sizing.kv_bytes_per_block(cfg, s.block_size, s.kv_dtype_bytes, tp, pp)
     per_seq = sizing.blocks_per_seq(s.max_model_len, s.block_size)
+    layout = kv_layout(cfg, s.max_model_len, pipeline_parallel_size=pp)
+    if layout is not None:  # sliding-window KV groups (worker/kv_groups.py): blocks of k layers, and a
+        per_block = layout.bytes_per_block(per_block, cfg.num_layers)  # sequence holds its sliding
+        per_seq = layout.blocks_held(s.max_model_len, s.block_size)  # groups' windows only
     if s.gpu is None:
         activations, budget = 0, s.kv_cache_memory or DEFAULT_CPU_KV_BYTES
         allowed = None
@@ -67,14 +73,18 @@ def estimate(s: Setting) -> dict:
         budget = allowed - weights - lora - activations
     blocks = max(0, budget // per_block)
     concurrent = blocks // per_seq
-    out = dict(fits=concurrent >= 1, weights_bytes_per_device=weights, lora_bytes=lora, activation_bytes=activations,
+    # the engine's smallest pool: a lone request at its longest (with groups, every table whole)
+    fits = concurrent >= 1 and (layout is None or blocks >= layout.min_blocks(s.max_model_len, s.block_size))
+    per_token = per_block // s.block_size if layout is None else per_block * per_seq // s.max_model_len
+    out = dict(fits=fits, weights_bytes_per_device=weights, lora_bytes=lora, activation_bytes=activations,
                memory_allowed_bytes=allowed, kv_budget_bytes=max(0, budget), kv_bytes_per_block=per_block,
-               kv_bytes_per_token=per_block // s.block_size, num_gpu_blocks=blocks, blocks_per_seq=per_seq,
+               kv_bytes_per_token=per_token, num_gpu_blocks=blocks, blocks_per_seq=per_seq,
                max_concurrent_seqs=concurrent, running_seqs=min(concurrent, s.max_num_seqs),
                tensor_parallel_size=tp, pipeline_parallel_size=pp, num_devices=s.num_devices,
                quantization=s.quantization, max_model_len=s.max_model_len, block_size=s.block_size,
                stages=sizing.stage_layer_ranges(cfg.num_layers, pp),
-               total_params=total_params(cfg), active_params_per_token=active_params(cfg))
+               total_params=total_params(cfg), active_params_per_token=active_params(cfg),
+               kv_groups=layout.describe().removeprefix("; ") if layout is not None else None)
     if s.gpu is not None:
         out["decode_tokens_per_s_batch1"] = _tokens_per_s(s, weights, out["kv_bytes_per_token"], 1)
         out[f"decode_tokens_per_s_batch{out['running_seqs']}"] = \
