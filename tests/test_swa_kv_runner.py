@@ -139,3 +139,50 @@ def test_plan_counts_sliding_groups_at_long_context():
     assert 0.16 < ratio < 0.18
     assert grouped["max_concurrent_seqs"] >= 5 * dense["max_concurrent_seqs"]
     assert not estimate(Setting(cfg, gpu=None, max_model_len=32768, kv_cache_memory=200 << 20))["fits"]  # < 13 x 32k
+
+
+def _grouped_step_inputs(decode_only: bool, backend: str):
+    """A Gemma 3 config of 12 layers (6 groups of k = 2), a [2, ...] pool of 4001 blocks (a shape nothing
+    else in the program has, for hlo_checks) and a packed batch with every group's tables."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.core.scheduler_output import ScheduledRequest, SchedulerOutput
+    from jaxserve.models import llama
+    from jaxserve.models.attention import kv_pool_dtype
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.worker.input_batch import pack
+
+    cfg = ModelConfig.from_hf(dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab_size=128,
+                                   hidden_size=64, intermediate_size=96, num_hidden_layers=12, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=256))
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.bfloat16), llama.param_shapes(cfg),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    pool = (2, 2, 4001, 16, 16)
+    dtype = kv_pool_dtype("auto", jnp.bfloat16, backend)
+    kv = tuple(jax.ShapeDtypeStruct(pool, dtype) for _ in range(2))
+    tables = lambda *full: [list(full)] + [[0] * (len(full) - 1) + [9 + g] for g in range(5)]  # noqa: E731
+    seqs = [ScheduledRequest("a", [1], 40, [3, 4, 5], True, block_tables=tables(3, 4, 5)),
+            ScheduledRequest("b", [2], 20, [6, 7], True, block_tables=tables(6, 7))]
+    if not decode_only:
+        seqs.append(ScheduledRequest("c", [3] * 9, 0, [8], True, block_tables=tables(8)))
+    batch, _ = pack(SchedulerOutput(seqs, sum(len(s.token_ids) for s in seqs)), 16, 8, 8, 16,
+                    decode_only=decode_only, num_groups=6)
+    return cfg, params, kv, batch, np.zeros(8, np.int32), pool, dtype
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_grouped_step_lowers_for_cuda_and_keeps_the_pool_in_place(decode_only):
+    """With KV groups the Pallas kernels get the group's table and the pool slot as before (traced): the
+    step still lowers to Triton for `cuda` and aliases the donated [k, ...] pool."""
+    from jax import export
+
+    from jaxserve.worker import hlo_checks
+    from jaxserve.worker import model_runner as mr
+
+    cfg, params, kv, batch, rows, pool, dtype = _grouped_step_inputs(decode_only, "pallas")
+    exp = export.export(mr._model_step, platforms=["cuda"], disabled_checks=[
+        export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(params, kv, batch, rows, rows, cfg=cfg,
+                                                                        backend="pallas")
+    assert "xla.gpu.triton" in exp.mlir_module()
+    assert hlo_checks.stablehlo_problems(exp.mlir_module(), pool, dtype) == []
