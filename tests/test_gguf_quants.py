@@ -93,3 +93,22 @@ def test_each_type_loads_as_gguf_dequantizes_it(tmp_path, qtype):
         np.testing.assert_array_equal(got[name], want, err_msg=f"{qtype.name} {name}")
         if qtype in ROUNDING:  # quantized by gguf: the values are the originals, rounded
             assert np.abs(got[name] - values).max() <= ROUNDING[qtype] * np.abs(values).max(), name
+
+
+def test_a_tensor_of_a_type_gguf_does_not_know_is_named(tmp_path):
+    """A type id the gguf package lacks (a newer llama.cpp quantization) fails naming the tensor and the
+    id, not as an unreadable file."""
+    from jaxserve.weights import gguf_file
+
+    path = tmp_path / "unknown.gguf"
+    _write(path, Q.Q8_0, np.random.default_rng(0))
+    raw = bytearray(path.read_bytes())
+    name = b"blk.0.ffn_gate.weight"
+    at = raw.index(name) + len(name)  # then n_dims (u32), the dims (u64 each), the type id (u32)
+    n_dims = int.from_bytes(raw[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(raw[type_at:type_at + 4], "little") == Q.Q8_0
+    raw[type_at:type_at + 4] = (250).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_gate\.weight' has GGML type id 250"):
+        gguf_file.read_header(path)

@@ -130,13 +130,44 @@ def _read_index(path: Path, index: Path) -> GGUFHeader | None:
         return None
 
 
+class UnknownGGUFTypeError(ValueError):
+    """A tensor's GGML type id is one the installed gguf package does not know."""
+
+
+def _check_tensor_types(path: Path, fields: list) -> None:
+    """Name the first tensor whose type id gguf does not know (GGUFReader would fail on it with a bare
+    "N is not a valid GGMLQuantizationType")."""
+    import gguf
+    from gguf import GGMLQuantizationType
+
+    known = {int(t) for t in GGMLQuantizationType}
+    for f in fields:
+        try:
+            name, type_id = bytes(f.parts[1]).decode("utf-8", "replace"), int(f.parts[4][0])
+        except (AttributeError, IndexError, TypeError, ValueError):
+            return  # another gguf version lays tensor infos out otherwise: let the reader decide
+        if type_id not in known:
+            version = getattr(gguf, "__version__", None) or "installed"
+            raise UnknownGGUFTypeError(
+                f"{path}: tensor {name!r} has GGML type id {type_id}, which the {version} gguf package does not "
+                "know (a newer llama.cpp quantization?); re-quantize the file to a common type (Q4_K_M, Q8_0, ...) "
+                "or upgrade gguf")
+
+
 def open_gguf(path: Path) -> GGUFReader:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
     from gguf import GGUFReader
 
+    class _Reader(GGUFReader):  # names a tensor of an unknown type before the reader trips on it
+        def _build_tensors(self, start_offs, fields, *args, **kwargs):
+            _check_tensor_types(path, fields)
+            return super()._build_tensors(start_offs, fields, *args, **kwargs)
+
     try:
-        return GGUFReader(str(path))
+        return _Reader(str(path))
+    except UnknownGGUFTypeError:
+        raise
     except Exception as e:  # the reader raises ValueError/struct errors on truncated or foreign files
         raise ValueError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
