@@ -83,7 +83,9 @@ class HybridKVMachine(RuleBasedStateMachine):
         self.kv.fork(parent, child, n)
         self.tokens[child] = self.tokens[parent][:n] + [diverge]
         self.computed[child] = n - 1
-        self._write(child, n - 1, 2)
+        if not self._write(child, n - 1, 2):  # as the scheduler would preempt it: recompute from scratch
+            self.kv.forget(child)  # (a child never computed is never forked again: chained forks that
+            del self.tokens[child], self.computed[child]  # each step back a token outrun LAG)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
