@@ -83,6 +83,7 @@ class ScheduledRequest:
     lora_int_id: int = 0  # the request's LoRA adapter (LoRARequest.lora_int_id); 0: the base model
     pooling: bool = False  # prefill-only: the runner returns the pooled row (ModelOutput.pooled), samples nothing
     token_type_ids: list[int] | None = None  # pooling: the prompt tokens' segments; None: all 0
+    mm_inputs: object | None = None  # the request's images (Request.mm_inputs; jaxserve/multimodal); None: none
 
 
 @dataclass

@@ -55,6 +55,7 @@ from jaxserve.weights.loader import LoadedModel, load_model, load_tokenizer, res
 from jaxserve.weights.source import describe_model
 from jaxserve.lora.manager import LoRAManager, check_lora_model
 from jaxserve.lora.request import LoRARequest
+from jaxserve.multimodal.processor import processor_for
 
 PromptType = str | list[int] | dict
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
+        self.mm_processor = processor_for(self.model, args)  # prompts with images (jaxserve/multimodal)
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.served_model_names = args.served_model_names or (self.model.name,)
@@ -336,6 +338,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         if request_id in self.outputs.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, token_ids = self.encode_prompt(prompt)
+        token_ids, mm = self.mm_processor.apply(prompt, token_ids)  # its images' placeholders expanded
         self.validate(token_ids, params)
         eos = self.eos_token_ids
         params = dataclasses.replace(params, eos_token_ids=eos)
@@ -345,7 +348,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         for i, child_id in enumerate(child_ids):  # (_admit: held while generation is paused)
             self._admit(Request(child_id, list(token_ids), params, arrival, eos_token_ids=eos,
-                                parent_id=child_ids[0] if i else None, seed=base_seed + i, lora_int_id=lora_id))
+                                parent_id=child_ids[0] if i else None, seed=base_seed + i, lora_int_id=lora_id,
+                                mm_inputs=mm))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | PoolingRequestOutput]:
         outputs: list[RequestOutput | PoolingRequestOutput] = []

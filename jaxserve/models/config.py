@@ -95,6 +95,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # Mixture-of-Experts families only
+    vision: "VisionConfig | None" = None  # a vision-language model's vision side (models/vision/config.py)
     # the attention's q.k scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_scale: float | None = None
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> tanh(s / cap) * cap before the softmax
@@ -133,6 +134,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping) -> "ModelConfig":
         d = dict(d)
+        if d.get("vision") is not None:
+            from jaxserve.models.vision.config import VisionConfig
+
+            d["vision"] = VisionConfig.from_dict(d["vision"])
         d["rope_scaling"] = tuple(d.get("rope_scaling") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         if d.get("sliding_layers") is not None:
@@ -147,6 +152,8 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping, source: str = "config.json") -> "ModelConfig":
         """Build from a transformers config dict; `source` names the file in errors."""
         arch = registry.resolve_architecture(hf, source)
+        if isinstance(hf.get("text_config"), Mapping):  # a vision-language config.json (transformers >= 5):
+            hf = {**hf["text_config"], **hf}  # the language model's fields there, the top level's first
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])

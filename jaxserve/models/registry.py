@@ -14,6 +14,8 @@
     GraniteForCausalLM           granite      jaxserve.models.granite
     Gemma2ForCausalLM            gemma2       jaxserve.models.gemma
     Gemma3ForCausalLM            gemma3       jaxserve.models.gemma   (Gemma 3 text; GGUF gemma3)
+    Qwen2_5_VLForConditionalGeneration  qwen2_5_vl  jaxserve.models.qwen2_vl  (images in: a vision tower,
+    Qwen2VLForConditionalGeneration     qwen2_vl    jaxserve.models.qwen2_vl   M-RoPE; jaxserve/multimodal)
     LlamaModel, Qwen3Model, ...  (the same)   bare decoders: embedders, no LM head (pooling)
     BertModel, XLMRobertaForSequenceClassification, ...   bert / roberta   jaxserve.models.bert
                                  encoders (pooling only): `_ENCODERS`, with the task each is made for
@@ -79,6 +81,8 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("granite", "jaxserve.models.granite"),
     "Gemma2ForCausalLM": ("gemma2", "jaxserve.models.gemma"),
     "Gemma3ForCausalLM": ("gemma3", "jaxserve.models.gemma"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "jaxserve.models.qwen2_vl"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "jaxserve.models.qwen2_vl"),
     # bare decoders (what sentence-transformers saves for an embedder: no LM head, names without
     # `model.`): the same families, served as pooling models (jaxserve/pooling/config.py)
     "LlamaModel": ("llama", "jaxserve.models.llama"),

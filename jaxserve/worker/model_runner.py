@@ -92,6 +92,7 @@ class PreparedStep:
     # chunks of PROMPT_LOGPROB_ROWS (0 padded), and (request id, number of rows) in their order
     pooling_rows: list[np.ndarray] = field(default_factory=list)
     pooling_ids: list[tuple[str, int]] = field(default_factory=list)
+    mm: object | None = None  # a vision-language step's image rows (multimodal/runner.MultiModalStep); None: none
 
     @property
     def has_device_work(self) -> bool:
@@ -195,6 +196,11 @@ class ModelRunner:
         zeros = np.zeros(self.num_rows, np.int32)
         self._prev_tokens = zeros if pipeline is not None and pipeline.multi_process else jax.device_put(zeros)
         self._prev_sample_rows: dict[str, int] = {}
+        self.mm = None  # a vision-language model's M-RoPE positions and image rows (jaxserve/multimodal/runner.py)
+        if self.cfg.vision is not None:
+            from jaxserve.multimodal.runner import MultiModalRunner
+
+            self.mm = MultiModalRunner(self.cfg.vision, self.params["embed"].dtype)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -265,7 +271,8 @@ class ModelRunner:
     def _empty_batch(self, num_tokens: int, decode_only: bool = False) -> StepInput:
         batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq,
                         self.rc.block_size, decode_only=decode_only)
-        return self._per_token(batch)
+        batch = self._per_token(batch)
+        return batch if self.mm is None else self.mm.text_batch(batch)
 
     def _per_token(self, batch: StepInput) -> StepInput:
         """--batch-invariant: each token its own sequence for the attention (worker/batch_invariant.py)."""
@@ -301,6 +308,8 @@ class ModelRunner:
         batch, sample_rows = pack(out, t, self.rc.max_num_seqs, self.rc.max_blocks_per_seq, self.rc.block_size,
                                   self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots)
         batch = self._per_token(batch)
+        if self.mm is not None:
+            batch, ops["mm"] = self.mm.prepare(out, batch)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = prompt_logprob_chunks(out)
@@ -336,7 +345,8 @@ class ModelRunner:
             self._write_lora(slot, lora_id)
         if p.batch is None:
             return PendingStep(p)
-        self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows, self._prev_tokens)
+        batch = p.batch if self.mm is None else self.mm.attach(p.batch, p.mm, self.params)  # the image rows
+        self.kv, hidden, full = self._model_step(self.params, self.kv, batch, p.rows, self._prev_tokens)
         prompt_lps = self._prompt_logprobs(p.prompt_logprobs, full)
         # (the gather program is the prompt logprobs' one: compiled per token bucket at warm-up)
         pooled = [self._publish(self.programs.gather_rows(full, rows)) for rows in p.pooling_rows]
