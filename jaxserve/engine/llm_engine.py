@@ -46,6 +46,7 @@ from jaxserve.core.structured_output import StructuredOutputManager, validate_st
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.engine.sleep import SleepMixin
+from jaxserve.models import registry
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.models.longrope import for_max_model_len
@@ -111,6 +112,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if args.enable_lora:
                 check_lora_model(source.config)
+            registry.refuse_flags(source.config, args, source.quantization)  # a family's unsupported flags
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
                 width = jnp.dtype(resolve_dtype(args.dtype)).itemsize
                 refuse_oversized_weights(
@@ -126,6 +128,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         else:
             if args.enable_lora:
                 check_lora_model(model.config)
+            registry.refuse_flags(model.config, args, model.quantization)
             model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
             if mesh is not None:
                 model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))

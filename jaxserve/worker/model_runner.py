@@ -40,7 +40,8 @@ from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, 
 from jaxserve.sample.sampler import SamplerOutput, vocab_slices
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
-from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
+from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype
+from jaxserve.models.kv_layout import pool_shapes
 from jaxserve.models.expert_weights import with_layer_views
 from jaxserve.quantization.matmul import has_columns
 from jaxserve.weights.loader import LoadedModel
@@ -156,8 +157,10 @@ class ModelRunner:
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
         elif mesh is None:
-            self.kv = make_kv_cache(self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
-                                    self.cfg.head_dim, dtype)
+            # committed to the params' device, as the step's outputs are: else an eager engine's first
+            # step compiles the model program for an uncommitted pool, and the next one again
+            self.kv = jax.device_put(tuple(jnp.zeros(shape, dtype) for shape in
+                                           pool_shapes(self.cfg, rc.num_blocks, rc.block_size)), _device_of(self.params))
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype)
         self.token_buckets, self.decode_buckets, self.seq_buckets = step_grids(
@@ -169,9 +172,8 @@ class ModelRunner:
         self.num_mask_words = (self.cfg.vocab_size + 31) // 32  # the sampler's token bitmask width
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
-        host_shape = (self.cfg.num_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
-                      self.cfg.head_dim)
-        self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
+        host_shapes = pool_shapes(self.cfg, rc.num_cpu_blocks, rc.block_size)
+        self.host_kv = tuple(np.zeros(s, dtype) for s in host_shapes) if rc.num_cpu_blocks else None
         self._copy_blocks = (pipeline.per_stage(programs.copy_blocks) if pipeline is not None
                              else programs.copy_blocks)
         self._model_step = (pipeline.step if pipeline is not None else
@@ -194,7 +196,8 @@ class ModelRunner:
         # from the last stage to every stage first (rank 0 schedules, on stage 0).
         self._publish = pipeline.publish if pipeline is not None else (lambda tree: tree)
         zeros = np.zeros(self.num_rows, np.int32)
-        self._prev_tokens = zeros if pipeline is not None and pipeline.multi_process else jax.device_put(zeros)
+        self._prev_tokens = zeros if pipeline is not None and pipeline.multi_process else jax.device_put(
+            zeros, _device_of(self.params) if mesh is None and pipeline is None else None)  # committed: as above
         self._prev_sample_rows: dict[str, int] = {}
         self.mm = None  # a vision-language model's M-RoPE positions and image rows (jaxserve/multimodal/runner.py)
         if self.cfg.vision is not None:
@@ -456,8 +459,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     cfg = model.config
     dtype = rc.kv_dtype(model.params["embed"].dtype)
     blocks = rc.max_blocks_per_seq + 1
-    kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, blocks, rc.block_size, cfg.head_dim), dtype)
-               for _ in range(2))
+    kv = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in pool_shapes(cfg, blocks, rc.block_size))
     t = step_token_buckets(rc.max_num_batched_tokens)[-1]
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
     rows = np.zeros(step_seq_buckets(rc.max_num_seqs)[-1], np.int32)
