@@ -17,10 +17,11 @@ CHECKPOINTS = {
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                              mscale=0.9, mscale_all_dim=0.7, beta_fast=32.0, beta_slow=1.0))),
     # V3's shape: q_lora_rank, sigmoid scores with a (randomized) selection bias, 4 groups keeping 2,
-    # renormalised and scaled, the first layer dense, interleaved rotary dims, YaRN as V3's
+    # renormalised and scaled, the first layer dense, YaRN as V3's; rotate-half rotary dims
+    # (rope_interleave false: V2 above takes the interleaved pairs, as V3's hub checkpoints do)
     "v3": ("DeepseekV3Config", dict(
         num_hidden_layers=3, q_lora_rank=24, n_group=4, topk_group=2, norm_topk_prob=True,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, rope_interleave=True,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, rope_interleave=False,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                              mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0, beta_slow=1.0))),
 }

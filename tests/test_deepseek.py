@@ -11,7 +11,7 @@ import pytest
 
 from tests.deepseek_fixtures import CHECKPOINTS, COMMON, save_checkpoint
 from tests.logprob_parity import assert_logprobs_close
-from tests.moe_fixtures import MAX_TOKENS, PROMPTS, engine_run, hf_reference, make_engine
+from tests.moe_fixtures import PROMPTS, engine_run, hf_reference, make_engine
 
 # a prompt sharing its first 16 tokens (one full block) with PROMPTS[0], sent after it: a prefix-cache hit
 CACHED = PROMPTS[0][:16] + [3, 1, 4]
@@ -31,6 +31,7 @@ def test_greedy_tokens_and_logprobs_equal_transformers(served):
     cfg = engine.model.config
     m, e = cfg.mla, cfg.moe  # what the checkpoint exists for survived config.json
     assert (m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank) == (32, 8, 24 if name == "v3" else 0)
+    assert m.rope_interleave == (name == "v2")
     assert e.router == ("noaux_tc" if name == "v3" else "group_limited_greedy") and (e.n_group, e.topk_group) == (4, 2)
     assert e.dense_layers == ((0,) if name == "v3" else ()) and e.shared_expert_intermediate_size == 32
     reference, ref_logprobs = hf_reference(path, PROMPTS + [CACHED])

@@ -24,6 +24,7 @@ quantized (block-wise FP8) checkpoints.
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping
 
 import jax
@@ -39,6 +40,7 @@ from jaxserve.models.llama import MLP_TENSORS, dense_mlp, mlp_shapes, rms_norm
 from jaxserve.models.moe import Experts, Router, moe
 from jaxserve.models.moe_layers import expert_readers, mixed_layer_tensors, moe_partition_rules
 
+log = logging.getLogger(__name__)
 V3 = "DeepseekV3ForCausalLM"
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -53,6 +55,10 @@ def config_fields(hf: Mapping, arch: str) -> dict:
                   v_head_dim=int(hf["v_head_dim"]), q_lora_rank=int(hf.get("q_lora_rank") or 0),
                   rope_interleave=bool(hf.get("rope_interleave", True)) if arch == V3 else True,
                   softmax_scale=_softmax_scale(hf, nope + rope))
+    if int(hf.get("num_nextn_predict_layers") or 0):  # V3's multi-token prediction: not a serving layer
+        log.info("%s: the checkpoint's %s multi-token-prediction layer(s) (model.layers.%s and up) are not "
+                 "loaded (no speculative decoding from them yet)", arch, hf["num_nextn_predict_layers"],
+                 hf["num_hidden_layers"])
     heads = int(hf["num_attention_heads"])
     return {"mla": m, "head_dim": nope + rope, "num_kv_heads": heads, "moe": _moe_config(hf, arch)}
 

@@ -17,7 +17,8 @@ from jaxserve.models.config import ModelConfig
 Shape = tuple[int, ...]
 
 
-def pool_shapes(cfg: ModelConfig, num_blocks: int, block_size: int, num_layers: int | None = None) -> tuple[Shape, Shape]:
+def pool_shapes(cfg: ModelConfig, num_blocks: int, block_size: int,
+                num_layers: int | None = None) -> tuple[Shape, Shape]:
     """(K shape, V shape) of a pool of `num_blocks` blocks over `num_layers` layers (default: all)."""
     layers = cfg.num_layers if num_layers is None else num_layers
     if cfg.mla is not None:
