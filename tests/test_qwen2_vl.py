@@ -7,7 +7,9 @@ own classes with their image processor beside them (tests/vl_fixtures.py).
     LLM.generate         {"prompt", "multi_modal_data": {"image": ...}}: greedy tokens equal to transformers'
                          float32 ones, each token's logprob within 1e-4, images of several sizes, two in one
                          prompt and a text-only prompt in one batch; Qwen2.5-VL with chunks of 32 tokens that
-                         split images, Qwen2-VL with the prefix cache on and the same text with two images
+                         split images, Qwen2-VL with the prefix cache on and the same text with two images,
+                         and once through AsyncLLM
+    LLM.chat             an image_url part with a data: URL, through the chat template
     bad input            a ValueError naming the field, before any step
 """
 
@@ -113,9 +115,28 @@ def test_qwen2_5_vl_generate_equals_transformers(checkpoints):
     prompts = [(ONE, [IMAGES[0]]), (TWO, [IMAGES[1], IMAGES[2]]), (TEXT, []), (ONE, [IMAGES[1]])]
     refs = [hf_generate(path, p, imgs, MAX_TOKENS) for p, imgs in prompts]
     with _llm(path, max_num_batched_tokens=32, enable_chunked_prefill=True) as llm:
-        outs = _generate(llm, [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in prompts])
+        outs = _generate(llm, [{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p
+                               for p, imgs in prompts])
         _check(outs, refs)
         assert llm.llm_engine.runner.mm.num_images_encoded == 3
+        # LLM.chat with a data: URL part: the fixture's template renders ONE around it
+        from jaxserve.core.sampling_params import SamplingParams
+
+        message = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(IMAGES[0])}},
+                                               {"type": "text", "text": "What is it?"}]}
+        chat = llm.chat([message], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0),
+                        use_tqdm=False)
+        _check(chat, refs[:1])
+        assert llm.llm_engine.runner.mm.num_images_encoded == 3  # the same pixels: the encoder cache's rows
+
+
+def _data_url(im, fmt: str = "PNG") -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    im.save(buf, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def test_qwen2_vl_generate_equals_transformers_with_prefix_cache(checkpoints):
@@ -138,10 +159,46 @@ def test_qwen2_vl_generate_equals_transformers_with_prefix_cache(checkpoints):
         with pytest.raises(ValueError, match=r"multi_modal_data.image\[0\]"):
             _generate(llm, [{"prompt": ONE, "multi_modal_data": {"image": "a.png"}}])
         assert not llm.llm_engine.has_unfinished_requests()
+        assert _async_tokens(llm, {"prompt": ONE, "multi_modal_data": {"image": IMAGES[0]}}) == refs[0][1]
+
+
+def _async_tokens(llm, prompt: dict) -> list[int]:
+    """The prompt through AsyncLLM (the server's engine front: the images processed by the caller)."""
+    import asyncio
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.async_llm import AsyncLLM
+
+    front = AsyncLLM(llm.llm_engine)
+
+    async def run() -> list[int]:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)  # _generate's
+        async for out in front.generate(prompt, params, "async-0"):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        front._stop.set()  # its thread only: the LLM shuts the engine down
+        front._wake.set()
+        front._thread.join(timeout=30)
 
 
 def test_refusals():
+    import base64
+
+    from jaxserve.multimodal.chat import chat_images
     from jaxserve.multimodal.processor import TextOnly, processor_for
+
+    png = base64.b64decode(_data_url(IMAGES[1]).split(",", 1)[1])
+    for url, match in (("https://example.com/a.png", "only data: URLs"), ("file:///etc/passwd", "only data: URLs"),
+                       ("data:image/png;base64,@@@", "not valid base64"),
+                       ("data:image/png;base64," + base64.b64encode(png[:len(png) // 2]).decode(), "not a readable")):
+        message = {"role": "user", "content": [{"type": "text", "text": "x"},
+                                               {"type": "image_url", "image_url": {"url": url}}]}
+        with pytest.raises(ValueError, match=rf"^messages\[0\]\.content\[1\]\.image_url\.url: {match}"):
+            chat_images([message])
 
     with pytest.raises(ValueError, match="multi_modal_data: LlamaForCausalLM takes text only"):
         TextOnly("LlamaForCausalLM").apply({"prompt": "x", "multi_modal_data": {"image": IMAGES[0]}}, [1])

@@ -94,7 +94,8 @@ def vision_from_hf(hf: Mapping, kind: str) -> VisionConfig:
         vrope = vc.get("rope_parameters") or {}
         return VisionConfig(
             kind=kind, depth=int(vc["depth"]), hidden_size=width, num_heads=int(vc["num_heads"]),
-            intermediate_size=inter, hidden_act=str(vc.get("hidden_act", "quick_gelu" if kind == "qwen2_vl" else "silu")),
+            intermediate_size=inter,
+            hidden_act=str(vc.get("hidden_act", "quick_gelu" if kind == "qwen2_vl" else "silu")),
             out_hidden_size=out, image_token_id=int(hf["image_token_id"]),
             video_token_id=hf.get("video_token_id"), vision_start_token_id=hf.get("vision_start_token_id"),
             patch_size=int(vc.get("patch_size", 14)), temporal_patch_size=int(vc.get("temporal_patch_size", 2)),
