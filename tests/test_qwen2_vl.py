@@ -188,8 +188,9 @@ def _async_tokens(llm, prompt: dict) -> list[int]:
 def test_refusals():
     import base64
 
+    from jaxserve.models import registry
     from jaxserve.multimodal.chat import chat_images
-    from jaxserve.multimodal.processor import TextOnly, processor_for
+    from jaxserve.multimodal.processor import TextOnly
 
     png = base64.b64decode(_data_url(IMAGES[1]).split(",", 1)[1])
     for url, match in (("https://example.com/a.png", "only data: URLs"), ("file:///etc/passwd", "only data: URLs"),
@@ -202,7 +203,10 @@ def test_refusals():
 
     with pytest.raises(ValueError, match="multi_modal_data: LlamaForCausalLM takes text only"):
         TextOnly("LlamaForCausalLM").apply({"prompt": "x", "multi_modal_data": {"image": IMAGES[0]}}, [1])
-    model = SimpleNamespace(config=SimpleNamespace(vision=object(), architecture="Qwen2VLForConditionalGeneration"))
+    cfg = SimpleNamespace(architecture="Qwen2VLForConditionalGeneration")  # the engine's hook, before any weight
     for flag, value in (("tensor_parallel_size", 2), ("enable_lora", True), ("quantization", "fp8")):
         with pytest.raises(ValueError, match=f"^{flag}: "):
-            processor_for(model, SimpleNamespace(**{flag: value}))
+            registry.refuse_flags(cfg, SimpleNamespace(**{flag: value}))
+    registry.refuse_flags(cfg, SimpleNamespace(tensor_parallel_size=1, quantization=None))
+    with pytest.raises(ValueError, match="^model: a awq checkpoint"):
+        registry.refuse_flags(cfg, SimpleNamespace(), "awq")

@@ -30,6 +30,12 @@ from jaxserve.models.vision.qwen2_vl_vision import read_vision_params
 KIND = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl"}
 # where transformers >= 5 saves what older files keep at the top level
 RENAMES = (("model.", "model.language_model."), ("visual.", "model.visual."))
+# the engine flags these models cannot serve yet: (EngineArgs field, the value that is fine, why)
+REFUSED = (("tensor_parallel_size", 1, "the vision tower is not sharded yet"),
+           ("pipeline_parallel_size", 1, "the image rows enter on the first stage only"),
+           ("enable_lora", False, "adapters on a vision-language model are not supported yet"),
+           ("quantization", None, "the vision tower stays in the model dtype; quantizing the rest is untested"),
+           ("batch_invariant", False, "the vision tower's batches are not batch-invariant"))
 
 
 def config_fields(hf: Mapping, arch: str) -> dict:
@@ -69,6 +75,17 @@ def load_vision(cfg: ModelConfig, get: Callable[[str], object], dtype: jnp.dtype
     return read_vision_params(cfg.vision, tensor_getter(get), dtype, "visual.")
 
 
+def refuse_flags(cfg: ModelConfig, args: object, checkpoint_quantization: str | None = None) -> None:
+    """ValueError naming a flag these models cannot serve (REFUSED), or a quantized checkpoint; before
+    any weight is read."""
+    for name, fine, why in REFUSED:
+        value = getattr(args, name, fine)
+        if value != fine and not (fine is None and not value):
+            raise ValueError(f"{name}: {value!r} is not supported for {cfg.architecture} ({why})")
+    if checkpoint_quantization:
+        raise ValueError(f"model: a {checkpoint_quantization} checkpoint of {cfg.architecture} is not supported yet")
+
+
 FAMILY = registry.ModelFamily(
     config_fields=config_fields, param_shapes=_param_shapes, layer_tensors=lambda cfg: LAYER_TENSORS,
-    ffn=dense_mlp, partition_rules=dense_partition_rules)
+    ffn=dense_mlp, partition_rules=dense_partition_rules, refuse_flags=refuse_flags)

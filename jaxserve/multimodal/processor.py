@@ -19,14 +19,6 @@ import numpy as np
 from jaxserve.models.vision.config import VisionConfig
 from jaxserve.multimodal.inputs import ImageItem, MultiModalInputs, image_hash, rope_index
 
-# the engine flags a vision-language model cannot serve yet: (EngineArgs field, value that is fine, why)
-_REFUSED = (("tensor_parallel_size", 1, "the vision tower is not sharded yet"),
-            ("pipeline_parallel_size", 1, "the image rows enter on the first stage only"),
-            ("enable_lora", False, "adapters on a vision-language model are not supported yet"),
-            ("quantization", None, "the vision tower stays in the model dtype; quantizing the rest is untested"),
-            ("batch_invariant", False, "the vision tower's batches are not batch-invariant"))
-
-
 class TextOnly:
     """A model without a vision tower: prompts with images are refused."""
 
@@ -130,15 +122,11 @@ def _expand(token_ids: list[int], placeholder: int, counts: list[int]) -> tuple[
 
 
 def processor_for(model: Any, args: Any) -> TextOnly | ImageProcessor:
-    """The engine's prompt processor for a LoadedModel: images only for a model with a vision tower,
-    whose unsupported engine flags are refused here, at start-up."""
+    """The engine's prompt processor for a LoadedModel: images only for a model with a vision tower (its
+    unsupported engine flags were refused before its weights were read: models/qwen2_vl.refuse_flags)."""
     vision = model.config.vision
     if vision is None:
         return TextOnly(model.config.architecture)
-    for name, fine, why in _REFUSED:
-        value = getattr(args, name, fine)
-        if value != fine and not (fine is None and not value):
-            raise ValueError(f"{name}: {value!r} is not supported for {model.config.architecture} ({why})")
     if model.tokenizer is None:
         raise ValueError(f"model: {model.config.architecture} needs its tokenizer beside the weights")
     return ImageProcessor(vision, model.path)
