@@ -50,7 +50,10 @@ class Admission(SchedulerState):
             self._check_generation(request)
         self.structured.add_request(rid, request.sampling_params)  # compiles its grammar, if any
         request.status = RequestStatus.WAITING
-        self.kv.set_extra_key(rid, request.lora_int_id)  # the prefix cache keys blocks by adapter
+        # the prefix cache keys blocks by adapter, and by the request's images (the same placeholder
+        # tokens with other images are other KV)
+        mm = request.mm_inputs
+        self.kv.set_extra_key(rid, request.lora_int_id if mm is None else hash((request.lora_int_id, mm.cache_key)))
         self.requests[rid] = request
         self._order[rid] = (request.arrival_time, self._num_added)
         self._num_added += 1

@@ -76,6 +76,9 @@ class Request:
     # result is the pooled row (ModelOutput.pooled); no sampling, no decode, no blocks after the step.
     pooling: bool = False
     token_type_ids: list[int] | None = None  # pooling: each prompt token's segment (a text pair); None: all 0
+    # a vision-language model's request with images: jaxserve.multimodal.inputs.MultiModalInputs (its
+    # images' patches and placeholder spans, M-RoPE's positions); None: text only
+    mm_inputs: object | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

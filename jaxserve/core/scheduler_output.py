@@ -90,6 +90,7 @@ class ScheduledRequest:
     # With several KV groups (SchedulerConfig.kv_groups): each group's table, block_ids being the first
     # (a full-attention group's); a sliding group's slots outside its window read block 0. None: one group.
     block_tables: list[list[int]] | None = None
+    mm_inputs: object | None = None  # the request's images (Request.mm_inputs; jaxserve/multimodal); None: none
 
 
 @dataclass

@@ -143,7 +143,7 @@ class SchedulerState:
             sampling_params=params, seed=req.seed, prompt_token_ids=req.prompt_token_ids,
             num_output_tokens=req.num_output_tokens + req.num_output_placeholders,
             output_token_ids=req.output_token_ids if params.needs_penalties else [], lora_int_id=req.lora_int_id,
-            pooling=req.pooling, token_type_ids=req.token_type_ids))
+            pooling=req.pooling, token_type_ids=req.token_type_ids, mm_inputs=req.mm_inputs))
         if req.lora_int_id:
             self._step_loras.add(req.lora_int_id)
         self.num_prompt_tokens += max(0, min(start + num_new, req.num_prompt_tokens) - start)

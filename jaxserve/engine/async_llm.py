@@ -94,14 +94,16 @@ class AsyncLLM(AsyncSleepMixin, AsyncWeightSync):  # sleep, wake_up, pause_gener
                 yield out
             return
         text, token_ids = self.engine.encode_prompt(prompt)
+        processor = getattr(self.engine, "mm_processor", None)  # (an encoder's engine has none)
+        token_ids, mm = processor.apply(prompt, token_ids) if processor else (token_ids, None)  # images
         self.engine.validate(token_ids, sampling_params)
         self.engine.check_has_weights()  # dropped by sleep(level=2) and not replaced: an error, not a wait
         self.engine.check_lora(lora_request)  # reads the adapter here, not on the engine thread
         q = self._open_stream(request_id)
         if (sampling_params.best_of or 1) > 1:  # each sample takes a running slot
             self._extra_seqs[request_id] = sampling_params.best_of - 1
-        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, sampling_params,
-                    lora_request))
+        self._post(("add", request_id, {"prompt": text, "prompt_token_ids": token_ids, "mm_inputs": mm},
+                    sampling_params, lora_request))
         finished = False
         try:
             while not finished:

@@ -47,6 +47,7 @@ from jaxserve.core.structured_output import StructuredOutputManager, validate_st
 from jaxserve.engine.stats import EngineStats
 from jaxserve.engine.weight_sync import WeightSync
 from jaxserve.engine.sleep import SleepMixin
+from jaxserve.models import registry
 from jaxserve.models.attention import kv_pool_dtype, kv_values_dtype, resolve_backend
 from jaxserve.models.config import with_expert_parallel
 from jaxserve.models.longrope import for_max_model_len
@@ -56,6 +57,7 @@ from jaxserve.weights.loader import LoadedModel, load_model, load_tokenizer, res
 from jaxserve.weights.source import describe_model
 from jaxserve.lora.manager import LoRAManager, check_lora_model
 from jaxserve.lora.request import LoRARequest
+from jaxserve.multimodal.processor import processor_for
 
 PromptType = str | list[int] | dict
 log = logging.getLogger(__name__)
@@ -111,6 +113,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             source = describe_model(args.model)  # what the model is, before reading any weight
             if args.enable_lora:
                 check_lora_model(source.config)
+            registry.refuse_flags(source.config, args, source.quantization)  # a family's unsupported flags
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
                 width = jnp.dtype(resolve_dtype(args.dtype)).itemsize
                 refuse_oversized_weights(
@@ -126,6 +129,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         else:
             if args.enable_lora:
                 check_lora_model(model.config)
+            registry.refuse_flags(model.config, args, model.quantization)
             model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
             if mesh is not None:
                 model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))
@@ -147,6 +151,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         self.model = model
         cfg = self.model.config
         self.tokenizer = self.model.tokenizer
+        self.mm_processor = processor_for(self.model, args)  # prompts with images (jaxserve/multimodal)
         if args.chat_template and self.tokenizer is not None:
             self.tokenizer.chat_template = _read_template(args.chat_template)
         self.served_model_names = args.served_model_names or (self.model.name,)
@@ -342,6 +347,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         if request_id in self.outputs.groups:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         text, token_ids = self.encode_prompt(prompt)
+        token_ids, mm = self.mm_processor.apply(prompt, token_ids)  # its images' placeholders expanded
         self.validate(token_ids, params)
         eos = self.eos_token_ids
         params = dataclasses.replace(params, eos_token_ids=eos)
@@ -351,7 +357,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         base_seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31))
         for i, child_id in enumerate(child_ids):  # (_admit: held while generation is paused)
             self._admit(Request(child_id, list(token_ids), params, arrival, eos_token_ids=eos,
-                                parent_id=child_ids[0] if i else None, seed=base_seed + i, lora_int_id=lora_id))
+                                parent_id=child_ids[0] if i else None, seed=base_seed + i, lora_int_id=lora_id,
+                                mm_inputs=mm))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput | PoolingRequestOutput]:
         outputs: list[RequestOutput | PoolingRequestOutput] = []

@@ -16,6 +16,7 @@ from jaxserve.engine.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.weights.loader import LoadedModel
 from jaxserve.lora.request import LoRARequest
+from jaxserve.multimodal.chat import chat_images
 
 
 class LLM:
@@ -228,9 +229,12 @@ class LLM:
         if tok is None:
             raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": list(tok.apply_chat_template(
-            conv, tokenize=True, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
-            return_dict=False))} for conv in conversations]
+        prompts = []
+        for conv in conversations:
+            conv, images = chat_images(conv)  # image content parts (jaxserve/multimodal/chat.py)
+            ids = list(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                               chat_template=chat_template, return_dict=False))
+            prompts.append({"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}} if images else {})})
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

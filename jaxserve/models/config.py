@@ -18,7 +18,10 @@ from jaxserve.models import longrope, registry
 # architecture -> family name: a view of the registry, kept for the callers that list them
 SUPPORTED_ARCHITECTURES: dict[str, str] = {a: registry.family_name(a) for a in registry.supported_architectures()}
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn", "longrope")
-ROUTERS = ("softmax_topk", "topk_softmax")
+# softmax_topk / topk_softmax: see MoeConfig.router; greedy, group_limited_greedy (V2's softmax scores)
+# and noaux_tc (V3's sigmoid scores with a selection bias): DeepSeek's topk_method names, the family's
+# own router (models/deepseek_router.py), with n_group / topk_group / routed_scaling_factor below
+ROUTERS = ("softmax_topk", "topk_softmax", "greedy", "group_limited_greedy", "noaux_tc")
 # config.json's names for the number of routed experts, by family
 NUM_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -41,6 +44,11 @@ class MoeConfig:
     # with biases on the experts; None: silu(gate) * up
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.702
+    # DeepSeek's routers: experts in n_group groups, tokens routed within topk_group of them; the
+    # weights times routed_scaling_factor
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
@@ -51,6 +59,10 @@ class MoeConfig:
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
 
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and topk_group "
+                             f"({self.topk_group}) be in [1, n_group]")
+
     def is_sparse(self, layer: int) -> bool:
         return layer not in self.dense_layers
 
@@ -58,6 +70,32 @@ class MoeConfig:
     def active_intermediate_size(self) -> int:
         """The expert width a token passes through: top-k experts plus the shared one."""
         return self.num_experts_per_tok * self.moe_intermediate_size + self.shared_expert_intermediate_size
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek V2/V3; models/mla.py): q through an optional low-rank
+    bottleneck, K and V from one kv_lora_rank latent per token, a decoupled rotary key shared by the heads."""
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: q projected directly (DeepSeek-V2-Lite)
+    rope_interleave: bool = True  # the rotary dims in interleaved pairs (V2 always; V3 as config.json says)
+    softmax_scale: float = 1.0  # qk_head_dim ** -0.5, times YaRN's mscale(mscale_all_dim) squared
+
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2 or self.q_lora_rank < 0:
+            raise ValueError(f"qk_rope_head_dim must be even (got {self.qk_rope_head_dim}) and q_lora_rank "
+                             f">= 0 (got {self.q_lora_rank})")
+
+    @property
+    def cache_width(self) -> int:
+        """One token's entry in one layer of the latent pool: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 def num_experts_from_hf(hf: Mapping) -> int | None:
@@ -95,6 +133,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoeConfig | None = None  # Mixture-of-Experts families only
+    vision: "VisionConfig | None" = None  # a vision-language model's vision side (models/vision/config.py)
     # the attention's q.k scale; None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
     attn_scale: float | None = None
     attn_logit_softcap: float | None = None  # Gemma 2: scores -> tanh(s / cap) * cap before the softmax
@@ -106,6 +145,8 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     partial_rotary_factor: float = 1.0  # RoPE on the first head_dim * factor dims of each head (Phi-4-mini)
+    # DeepSeek V2/V3's latent attention (head_dim is then its q/k head, nope + rope dims); None: per-head K, V
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         registry.family_name(self.architecture)  # ValueError naming the supported ones
@@ -133,6 +174,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping) -> "ModelConfig":
         d = dict(d)
+        if d.get("vision") is not None:
+            from jaxserve.models.vision.config import VisionConfig
+
+            d["vision"] = VisionConfig.from_dict(d["vision"])
         d["rope_scaling"] = tuple(d.get("rope_scaling") or ())
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         if d.get("sliding_layers") is not None:
@@ -141,12 +186,16 @@ class ModelConfig:
             moe = dict(d["moe"])
             moe["dense_layers"] = tuple(moe.get("dense_layers") or ())
             d["moe"] = MoeConfig(**moe)
+        if d.get("mla") is not None:
+            d["mla"] = MlaConfig(**d["mla"])
         return cls(**d)
 
     @classmethod
     def from_hf(cls, hf: Mapping, source: str = "config.json") -> "ModelConfig":
         """Build from a transformers config dict; `source` names the file in errors."""
         arch = registry.resolve_architecture(hf, source)
+        if isinstance(hf.get("text_config"), Mapping):  # a vision-language config.json (transformers >= 5):
+            hf = {**hf["text_config"], **hf}  # the language model's fields there, the top level's first
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])

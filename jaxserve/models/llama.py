@@ -47,7 +47,7 @@ from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.expert_weights import EXPERT_STACKS, LAYER_VIEWS, LayerStack
 from jaxserve.quantization.matmul import columns, matmul, matmul_transposed
-from jaxserve.models.rope import apply_rope, attention_scale, inv_frequencies
+from jaxserve.models.rope import apply_rope, attention_scale, inv_frequencies, mrope_positions
 
 Params = dict[str, jax.Array | dict[str, jax.Array]]
 
@@ -122,7 +122,8 @@ def layer_window(cfg: ModelConfig, lp: dict) -> int | jax.Array | None:
 def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array],
             token_ids: jax.Array, positions: jax.Array, md: AttentionMetadata,
             backend: str = "xla", bf16_dots_from: int = 0,
-            lora_slots: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+            lora_slots: jax.Array | None = None, mm_embeds: jax.Array | None = None,
+            mm_mask: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """One ragged batch through the decoder.
 
     token_ids, positions: [num_tokens] i32. kv_cache: (K, V), each
@@ -130,12 +131,16 @@ def forward(params: Params, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Arr
     the layer scan and updated in place (one scatter per layer) when donated.
     Returns the new cache and the final-normed hidden states [num_tokens, hidden].
     bf16_dots_from: see run_layers. lora_slots [T] i32: each token's adapter slot (0: none), used when
-    the params carry LoRA slots (params["lora_owner"], jaxserve/lora/layers.py).
+    the params carry LoRA slots (params["lora_owner"], jaxserve/lora/layers.py). A vision-language model
+    (models/qwen2_vl.py): positions [3, T] (M-RoPE), and mm_embeds [T, hidden] taking the place of the
+    embeddings of the rows where mm_mask [T] is set (its images' rows; jaxserve/multimodal/runner.py).
     """
     own = registry.get_family(cfg.architecture).forward
     if own is not None:  # a family with its own layer (models/gemma.py)
         return own(params, cfg, kv_cache, token_ids, positions, md, backend, bf16_dots_from, lora_slots)
     h = embed(params, cfg, token_ids)  # [T, hidden]
+    if mm_embeds is not None:
+        h = jnp.where(mm_mask[:, None], mm_embeds.astype(h.dtype), h)
     step = None
     if lora_slots is not None and "lora_owner" in params:  # the Pallas backends: decode-sized deltas by the kernel
         kernel = {"pallas": "pallas", attention.PALLAS_INTERPRET: "interpret"}.get(backend, "")
@@ -178,6 +183,8 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
         raise ValueError(f"pipeline_parallel_size: {cfg.architecture} runs its own layer body "
                          "(models/gemma.py); pipeline parallelism is not supported for it")
     inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)
+    if positions.ndim == 2:  # M-RoPE's (time, height, width) positions: one per rotary frequency
+        positions = mrope_positions(cfg, positions)
     dots = jnp.bfloat16 if bf16_dots_from and h.shape[0] >= bf16_dots_from else None
 
     ffn = registry.get_family(cfg.architecture).ffn  # Llama's dense MLP, or a family's experts

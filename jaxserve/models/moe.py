@@ -98,11 +98,20 @@ class Router:
     top_k: int = field(default=1, metadata=dict(static=True))
     norm_topk_prob: bool = field(default=False, metadata=dict(static=True))
     kind: str = field(default="softmax_topk", metadata=dict(static=True))  # see config.MoeConfig.router
+    # a family's own selection, in place of `kind`'s: (float32 logits [T, E], correction_bias) -> (ids [T, k],
+    # weights [T, k] f32); hashable (a frozen dataclass: models/deepseek_router.py). Its logits are float32
+    # products of float32 inputs (DeepSeek keeps its gate in float32), the bias is for it alone.
+    select: Callable | None = field(default=None, metadata=dict(static=True))
+    correction_bias: jax.Array | None = None  # [E]: DeepSeek-V3's e_score_correction_bias
 
 
 def route(x: jax.Array, router: Router, dots: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, H] -> expert ids [T, k] i32 and routing weights [T, k] f32 (as transformers: the
     logits in x's dtype, the softmax in float32)."""
+    if router.select is not None:
+        logits = jnp.dot(x.astype(jnp.float32), router.weight.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)  # not TF32 on GPUs: ties in the top-k
+        return router.select(logits, router.correction_bias)
     logits = matmul(x, router.weight, dots)
     if router.bias is not None:
         logits = logits + router.bias

@@ -14,6 +14,10 @@
     GraniteForCausalLM           granite      jaxserve.models.granite
     Gemma2ForCausalLM            gemma2       jaxserve.models.gemma
     Gemma3ForCausalLM            gemma3       jaxserve.models.gemma   (Gemma 3 text; GGUF gemma3)
+    Qwen2_5_VLForConditionalGeneration  qwen2_5_vl  jaxserve.models.qwen2_vl  (images in: a vision tower,
+    Qwen2VLForConditionalGeneration     qwen2_vl    jaxserve.models.qwen2_vl   M-RoPE; jaxserve/multimodal)
+    DeepseekV2ForCausalLM        deepseek_v2  jaxserve.models.deepseek (latent attention: models/mla.py)
+    DeepseekV3ForCausalLM        deepseek_v3  jaxserve.models.deepseek (V3, R1, Kimi K2)
     LlamaModel, Qwen3Model, ...  (the same)   bare decoders: embedders, no LM head (pooling)
     BertModel, XLMRobertaForSequenceClassification, ...   bert / roberta   jaxserve.models.bert
                                  encoders (pooling only): `_ENCODERS`, with the task each is made for
@@ -63,6 +67,9 @@ class ModelFamily:
     # a family whose layer differs beyond its feed-forward block (Gemma: post-norms, scaled embeddings)
     # runs its own decoder, with llama.forward's signature; None: llama.forward's layer scan
     forward: Callable | None = None
+    # (cfg, EngineArgs, the checkpoint's quant_method or None) -> None: ValueError naming a flag the
+    # family cannot serve (DeepSeek's latent attention: TP, PP, ...), before any weight is read
+    refuse_flags: Callable | None = None
 
 
 _ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -79,6 +86,10 @@ _ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("granite", "jaxserve.models.granite"),
     "Gemma2ForCausalLM": ("gemma2", "jaxserve.models.gemma"),
     "Gemma3ForCausalLM": ("gemma3", "jaxserve.models.gemma"),
+    "Qwen2_5_VLForConditionalGeneration": ("qwen2_5_vl", "jaxserve.models.qwen2_vl"),
+    "Qwen2VLForConditionalGeneration": ("qwen2_vl", "jaxserve.models.qwen2_vl"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "jaxserve.models.deepseek"),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "jaxserve.models.deepseek"),
     # bare decoders (what sentence-transformers saves for an embedder: no LM head, names without
     # `model.`): the same families, served as pooling models (jaxserve/pooling/config.py)
     "LlamaModel": ("llama", "jaxserve.models.llama"),
@@ -146,6 +157,13 @@ def resolve_architecture(hf: Mapping, source: str = "config.json") -> str:
         raise ValueError(f"{source}: unsupported architecture {archs or hf.get('model_type')!r}{hint}; "
                          f"supported: {', '.join(_ARCHITECTURES)}; encoders (pooling): {', '.join(_ENCODERS)}")
     return arch
+
+
+def refuse_flags(cfg: "ModelConfig", args: object, checkpoint_quantization: str | None = None) -> None:
+    """ValueError naming an engine flag (or the checkpoint's format) the model's family cannot serve."""
+    hook = get_family(cfg.architecture).refuse_flags if is_supported(cfg.architecture) else None
+    if hook is not None:
+        hook(cfg, args, checkpoint_quantization)
 
 
 def _entry(architecture: str) -> tuple[str, str]:

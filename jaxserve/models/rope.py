@@ -66,14 +66,23 @@ def attention_scale(cfg: ModelConfig) -> float:
     return cfg.rope_scaling[5] if cfg.rope_type == "yarn" else 1.0
 
 
+def mrope_positions(cfg: ModelConfig, positions: jnp.ndarray) -> jnp.ndarray:
+    """M-RoPE (Qwen2-VL): positions [3, T] (time, height, width) -> [T, rotary_dim // 2], each rotary
+    frequency's position: the first mrope_section[0] frequencies follow time, the next height, the rest width."""
+    axis = np.repeat(np.arange(3), cfg.vision.mrope_section)
+    return positions[axis].T
+
+
 def apply_rope(x: jnp.ndarray, positions: jnp.ndarray, inv_freq: jnp.ndarray, scale: float = 1.0) -> jnp.ndarray:
-    """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] i32; inv_freq: [rotary_dim//2] f32;
+    """x: [num_tokens, num_heads, head_dim]; positions: [num_tokens] i32, or [num_tokens, rotary_dim//2]
+    (each frequency its own position: mrope_positions); inv_freq: [rotary_dim//2] f32;
     scale: attention_scale(cfg), multiplied into cos and sin as transformers does. A rotary_dim short
     of head_dim (partial_rotary_factor < 1) rotates the leading dims and passes the rest through."""
     rot = 2 * inv_freq.shape[0]
     if rot < x.shape[-1]:
         return jnp.concatenate([apply_rope(x[..., :rot], positions, inv_freq, scale), x[..., rot:]], axis=-1)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    per_token = positions.astype(jnp.float32)
+    angles = (per_token[:, None] if positions.ndim == 1 else per_token) * inv_freq[None, :]  # [T, hd/2]
     cos = jnp.cos(angles)[:, None, :]  # [T, 1, hd/2]
     sin = jnp.sin(angles)[:, None, :]
     if scale != 1.0:

@@ -126,6 +126,11 @@ def load_safetensors_dir(model_dir: Path, cfg: ModelConfig, dtype: jnp.dtype, pr
     if quant is not None:  # before any tensor is read
         check_quantization(cfg, quant.method, quant.scheme)
     get, _ = tensor_reader(model_dir)
+    if cfg.vision is not None:  # a vision-language model: its language model, then its tower (models/qwen2_vl.py)
+        from jaxserve.models import qwen2_vl
+
+        get = qwen2_vl.tensor_getter(get)
     # mxfp4 (gpt-oss) quantizes MoE experts only: the Linears read here are float.
     linear = None if quant is None or quant.scheme == "mxfp4" else linear_reader(quant, get, dtype)
-    return assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear, expert_bits)
+    params = assemble_params(cfg, get, dtype, str(model_dir), progress, place_leaf, linear, expert_bits)
+    return params if cfg.vision is None else {**params, "vision": qwen2_vl.load_vision(cfg, get, dtype)}

@@ -34,6 +34,10 @@ class StepInput:
     attn: AttentionMetadata  # slot_mapping [T]; kv_lens, block_tables, cu_q_lens over max_num_seqs rows
     # [T] i32, the LoRA slot of each token's adapter (0: the base model, and padding); see jaxserve/lora
     lora_slots: jax.Array
+    # a vision-language model's step with image rows (jaxserve/multimodal/runner.py): [T, hidden] rows
+    # that replace the embeddings where mm_mask [T] is set; None in every other step (and model)
+    mm_embeds: jax.Array | None = None
+    mm_mask: jax.Array | None = None
 
 
 def buckets(lo: int, hi: int) -> list[int]:

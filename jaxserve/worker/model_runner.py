@@ -41,7 +41,8 @@ from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, 
 from jaxserve.sample.sampler import SamplerOutput, vocab_slices
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
-from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype, make_kv_cache
+from jaxserve.models.attention import PALLAS_BACKENDS, kv_pool_dtype
+from jaxserve.models.kv_layout import pool_shapes
 from jaxserve.models.expert_weights import with_layer_views
 from jaxserve.quantization.matmul import has_columns
 from jaxserve.weights.loader import LoadedModel
@@ -98,6 +99,7 @@ class PreparedStep:
     # chunks of PROMPT_LOGPROB_ROWS (0 padded), and (request id, number of rows) in their order
     pooling_rows: list[np.ndarray] = field(default_factory=list)
     pooling_ids: list[tuple[str, int]] = field(default_factory=list)
+    mm: object | None = None  # a vision-language step's image rows (multimodal/runner.MultiModalStep); None: none
 
     @property
     def has_device_work(self) -> bool:
@@ -163,8 +165,11 @@ class ModelRunner:
         if pipeline is not None:
             self.kv = pipeline.make_kv_cache(rc.num_blocks, rc.block_size, dtype)
         elif mesh is None:
-            self.kv = make_kv_cache(pool_layers, self.cfg.num_kv_heads, rc.num_blocks, rc.block_size,
-                                    self.cfg.head_dim, dtype)
+            # committed to the params' device, as the step's outputs are: else an eager engine's first
+            # step compiles the model program for an uncommitted pool, and the next one again
+            self.kv = jax.device_put(tuple(jnp.zeros(shape, dtype) for shape in
+                                           pool_shapes(self.cfg, rc.num_blocks, rc.block_size, pool_layers)),
+                                     _device_of(self.params))
         else:  # the pool split on its kv-head axis; the jitted programs follow the inputs' shardings
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype,
                                                      num_layers=pool_layers)
@@ -177,9 +182,8 @@ class ModelRunner:
         self.num_mask_words = (self.cfg.vocab_size + 31) // 32  # the sampler's token bitmask width
         self.num_rows = self.seq_buckets[-1]  # P: hidden rows handed from the model step to the sampler
         self.copy_width = self.num_rows  # block pairs per copy/swap program call
-        host_shape = (pool_layers, self.cfg.num_kv_heads, rc.num_cpu_blocks, rc.block_size,
-                      self.cfg.head_dim)
-        self.host_kv = (np.zeros(host_shape, dtype), np.zeros(host_shape, dtype)) if rc.num_cpu_blocks else None
+        host_shapes = pool_shapes(self.cfg, rc.num_cpu_blocks, rc.block_size, pool_layers)
+        self.host_kv = tuple(np.zeros(s, dtype) for s in host_shapes) if rc.num_cpu_blocks else None
         self._copy_blocks = (pipeline.per_stage(programs.copy_blocks) if pipeline is not None
                              else programs.copy_blocks)
         self._model_step = (pipeline.step if pipeline is not None else
@@ -202,8 +206,14 @@ class ModelRunner:
         # from the last stage to every stage first (rank 0 schedules, on stage 0).
         self._publish = pipeline.publish if pipeline is not None else (lambda tree: tree)
         zeros = np.zeros(self.num_rows, np.int32)
-        self._prev_tokens = zeros if pipeline is not None and pipeline.multi_process else jax.device_put(zeros)
+        self._prev_tokens = zeros if pipeline is not None and pipeline.multi_process else jax.device_put(
+            zeros, _device_of(self.params) if mesh is None and pipeline is None else None)  # committed: as above
         self._prev_sample_rows: dict[str, int] = {}
+        self.mm = None  # a vision-language model's M-RoPE positions and image rows (jaxserve/multimodal/runner.py)
+        if self.cfg.vision is not None:
+            from jaxserve.multimodal.runner import MultiModalRunner
+
+            self.mm = MultiModalRunner(self.cfg.vision, self.params["embed"].dtype)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -274,7 +284,8 @@ class ModelRunner:
     def _empty_batch(self, num_tokens: int, decode_only: bool = False) -> StepInput:
         batch, _ = pack(SchedulerOutput(), num_tokens, self.rc.max_num_seqs, self.rc.max_blocks_per_seq,
                         self.rc.block_size, decode_only=decode_only, num_groups=self.rc.num_kv_groups)
-        return self._per_token(batch)
+        batch = self._per_token(batch)
+        return batch if self.mm is None else self.mm.text_batch(batch)
 
     def _per_token(self, batch: StepInput) -> StepInput:
         """--batch-invariant: each token its own sequence for the attention (worker/batch_invariant.py)."""
@@ -311,6 +322,8 @@ class ModelRunner:
                                   self._prev_sample_rows, decode_only=decode_only, lora_slots=lora_slots,
                                   num_groups=self.rc.num_kv_groups)
         batch = self._per_token(batch)
+        if self.mm is not None:
+            batch, ops["mm"] = self.mm.prepare(out, batch)
         rows = np.zeros(self.num_rows, np.int32)
         rows[: len(sample_rows)] = sample_rows
         prompt_lps = prompt_logprob_chunks(out)
@@ -346,7 +359,8 @@ class ModelRunner:
             self._write_lora(slot, lora_id)
         if p.batch is None:
             return PendingStep(p)
-        self.kv, hidden, full = self._model_step(self.params, self.kv, p.batch, p.rows, self._prev_tokens)
+        batch = p.batch if self.mm is None else self.mm.attach(p.batch, p.mm, self.params)  # the image rows
+        self.kv, hidden, full = self._model_step(self.params, self.kv, batch, p.rows, self._prev_tokens)
         prompt_lps = self._prompt_logprobs(p.prompt_logprobs, full)
         # (the gather program is the prompt logprobs' one: compiled per token bucket at warm-up)
         pooled = [self._publish(self.programs.gather_rows(full, rows)) for rows in p.pooling_rows]
@@ -456,8 +470,7 @@ def activation_bytes(model: LoadedModel, rc: RunnerConfig) -> int:
     cfg = model.config
     dtype = rc.kv_dtype(model.params["embed"].dtype)
     blocks = rc.max_blocks_per_seq + 1
-    kv = tuple(jax.ShapeDtypeStruct((cfg.num_layers, cfg.num_kv_heads, blocks, rc.block_size, cfg.head_dim), dtype)
-               for _ in range(2))
+    kv = tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in pool_shapes(cfg, blocks, rc.block_size))
     t = step_token_buckets(rc.max_num_batched_tokens)[-1]
     batch, _ = pack(SchedulerOutput(), t, rc.max_num_seqs, rc.max_blocks_per_seq, rc.block_size)
     rows = np.zeros(step_seq_buckets(rc.max_num_seqs)[-1], np.int32)

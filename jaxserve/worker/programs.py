@@ -57,7 +57,7 @@ def _model_step_fn(params, kv, batch: StepInput, rows, prev_tokens, *, cfg, back
     # prev_tokens [P] i32: the previous step's sampled ids, still on the device (async scheduling)
     token_ids = jnp.where(batch.prev_rows >= 0, prev_tokens[jnp.maximum(batch.prev_rows, 0)], batch.token_ids)
     kv, hidden = llama.forward(params, cfg, kv, token_ids, batch.positions, batch.attn, backend, bf16_dots_from,
-                               batch.lora_slots)
+                               batch.lora_slots, batch.mm_embeds, batch.mm_mask)
     return kv, hidden[rows], hidden  # [P, hidden]: the sampling tokens' last positions; [T, hidden]: all
 
 

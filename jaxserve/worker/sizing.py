@@ -5,7 +5,8 @@ call these same functions, so what `plan` predicts is what the engine allocates:
 
     weights per device   the partition plan's shard of every leaf (parallel/specs.py), for the
                          layers of the largest pipeline stage; quantized leaves by their scheme
-    KV bytes per block   2 (K, V) x stage layers x kv heads on one device x block_size x head_dim x width
+    KV bytes per block   2 (K, V) x stage layers x kv heads on one device x block_size x head_dim x width;
+                         MLA (DeepSeek): stage layers x (kv_lora_rank + qk_rope_head_dim) x block_size x width
     activation reserve   measured by an XLA dry run on accelerators; `activation_bytes_estimate`
                          otherwise (plan, and the engine when XLA gives no memory analysis)
     LoRA slots           --max-loras x --max-lora-rank columns of A and rows of B for every projection
@@ -30,6 +31,7 @@ from jaxserve.lora.layers import slot_specs
 from jaxserve.lora.peft import module_dims
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.expert_weights import EXPERT_STACKS
+from jaxserve.models.kv_layout import latent_values_per_token
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
 from jaxserve.parallel.stages import stage_layer_ranges  # noqa: F401  (also read as sizing.stage_layer_ranges)
@@ -170,6 +172,9 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, width: int, tensor_par
     return 2 * layers * kv_heads_per_device(cfg, tensor_parallel_size) * block_size * cfg.head_dim * width
 
 
+    latent = latent_values_per_token(cfg, layers)  # MLA: one latent entry per token and layer, replicated
+    if latent is not None:
+        return latent * block_size * width
 def activation_bytes_estimate(cfg: ModelConfig, num_tokens: int, num_rows: int, width: int,
                               tensor_parallel_size: int = 1) -> int:
     """A without-a-GPU estimate of one step's temporary device memory: the live tensors of one layer
