@@ -173,6 +173,9 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     groups = slots = None  # with KV groups (worker/kv_groups.py): each layer's group and its pool slot
+    if md.group_block_tables is None and kv_cache[0].ndim == 5 and kv_cache[0].shape[0] != cfg.num_layers:
+        raise ValueError(f"a pool of {kv_cache[0].shape[0]}-layer blocks (KV groups) needs the batch's group "
+                         "block tables (input_batch.pack num_groups)")
     if md.group_block_tables is not None:
         groups, slots = map(jnp.asarray, layer_slots(cfg.num_layers, cfg.sliding_layers, cfg.sliding_window))
     (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids, groups, slots))
