@@ -24,7 +24,7 @@ import math
 from typing import NamedTuple
 
 from jaxserve.core.block_pool import BlockHash
-from jaxserve.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxserve.core.kv_cache_manager import KVCacheManager
 
 NULL_BLOCK = -1  # a sliding group's slot outside its window: owns nothing
 LAG = 2  # tokens a sliding group keeps beyond its window (point 4 above)
