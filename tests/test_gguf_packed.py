@@ -84,9 +84,13 @@ def test_a_stack_of_mixed_types_keeps_each_layers_values(types: tuple[str, str])
         assert _same_bits(got[layer], gguf.quants.dequantize(raw, Q[t]))
 
 
-def test_gguf_is_refused_where_it_does_not_apply(tmp_path) -> None:
+def test_gguf_is_refused_where_it_does_not_apply(tmp_path, jax_default_model) -> None:
     from jaxserve.engine.args import EngineArgs
+    from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.weights.loader import load_model
+
+    with pytest.raises(ValueError, match="^quantization: 'gguf' is applied while the engine loads"):
+        LLMEngine(EngineArgs(quantization="gguf"), model=jax_default_model, progress=False)
 
     with pytest.raises(ValueError, match="^quantization gguf runs on one device"):
         EngineArgs(quantization="gguf", tensor_parallel_size=2)
