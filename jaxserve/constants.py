@@ -17,7 +17,9 @@ AttentionBackend = Literal["auto", "xla", "pallas", "reference"]
 # choices, EngineArgs, the loader's checks, worker/sizing and `jaxserve plan` all read it.
 QUANTIZATION_CHECKPOINT_METHODS = ("awq", "gptq", "compressed-tensors", "fp8", "mxfp4")  # read from config.json
 QUANTIZATION_ON_LOAD_METHODS = ("int8", "fp8")  # applied to a float checkpoint at load
-Quantization = Literal[tuple(dict.fromkeys(QUANTIZATION_ON_LOAD_METHODS + QUANTIZATION_CHECKPOINT_METHODS))]
+QUANTIZATION_GGUF = "gguf"  # a .gguf file's quantized tensors kept as their blocks (quantization/gguf_packed.py)
+Quantization = Literal[tuple(dict.fromkeys(QUANTIZATION_ON_LOAD_METHODS + QUANTIZATION_CHECKPOINT_METHODS
+                                           + (QUANTIZATION_GGUF,)))]
 KvCacheDtype = Literal["auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2"]
 BlockSize = Literal[8, 16, 32, 64, 128]
 

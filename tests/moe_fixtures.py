@@ -116,15 +116,16 @@ def engine_greedy(engine, prompts: list[list[int]] = PROMPTS, max_tokens: int = 
     return engine_run(engine, prompts, max_tokens)[0]
 
 
-def engine_run(engine, prompts: list[list[int]] = PROMPTS,
-               max_tokens: int = MAX_TOKENS) -> tuple[list[list[int]], list[list[float]]]:
-    """The engine's greedy tokens of each prompt (all in flight together) and the logprob of each."""
+def engine_run(engine, prompts: list[list[int]] = PROMPTS, max_tokens: int = MAX_TOKENS,
+               lora_request=None) -> tuple[list[list[int]], list[list[float]]]:
+    """The engine's greedy tokens of each prompt (all in flight together) and the logprob of each
+    (`lora_request`: every prompt through that adapter)."""
     from jaxserve.core.sampling_params import SamplingParams
     from tests.logprob_parity import generated_logprobs
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+        engine.add_request(str(i), p, params, lora_request=lora_request)
     done: dict[str, object] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -99,6 +99,43 @@ def test_phi3_long_factors_past_the_original_length(checkpoints):
     assert abs(short_first - logprobs[1][0]) > 1e-3
 
 
+def test_phi3_lora_on_the_fused_projections_equals_peft(checkpoints, tmp_path):
+    """PEFT adapts Phi-3's fused qkv_proj and gate_up_proj as they are (one A, one B over the fused rows):
+    served, the adapter gives peft's greedy tokens and logprobs. Within the original length (max_model_len 16):
+    the short LongRoPE set in both (models/longrope.py)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from jaxserve.lora.request import LoRARequest
+    from tests.logprob_parity import reference_logprobs
+
+    torch.manual_seed(0)
+    model = get_peft_model(_hf(checkpoints["phi3"]), LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+        target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # peft starts B at zeros: random, so the adapter changes the output
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    model.save_pretrained(str(tmp_path / "adapter"))
+    prompts, tokens, ref_logprobs = [PROMPTS[2], PROMPTS[1], LONG[:8]], [], []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(input_ids=torch.tensor([p]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+                                 do_sample=False, pad_token_id=0, eos_token_id=None)
+            tokens.append(ids[0, len(p):].tolist())
+            ref_logprobs.append(reference_logprobs(model, p, tokens[-1]))
+    engine = _engine(checkpoints["phi3"], enable_lora=True, max_lora_rank=8, max_loras=1, max_model_len=ORIGINAL)
+    try:
+        base, _ = engine_run(engine, prompts, MAX_TOKENS)
+        got, logprobs = engine_run(engine, prompts, MAX_TOKENS, LoRARequest("fused", 1, str(tmp_path / "adapter")))
+    finally:
+        engine.shutdown()
+    assert got == tokens and got != base
+    assert_logprobs_close(logprobs, ref_logprobs, what="phi3 lora")
+
+
 def test_phi3_gguf_short_factors_within_the_original_length(checkpoints, tmp_path):
     """The checkpoint written as llama.cpp's phi3 GGUF (fused attn_qkv / ffn_up, rope_factors_* tensors)
     reads to the same config and weights as the directory; served with max_model_len 16 (the short

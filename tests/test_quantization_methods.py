@@ -23,7 +23,7 @@ CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=512, hidden_size=2
 
 def test_every_place_reads_the_one_list():
     assert QUANTIZATIONS == formats.METHODS
-    assert set(formats.CHECKPOINT_METHODS) | set(formats.ON_LOAD_METHODS) == set(formats.METHODS)
+    assert set(formats.CHECKPOINT_METHODS) | set(formats.ON_LOAD_METHODS) | {formats.GGUF} == set(formats.METHODS)
     assert tuple(sizing.QUANT_SCHEMES) == formats.METHODS
     from jaxserve.plan import QUANTIZATIONS as plan_choices
     assert tuple(plan_choices) == formats.METHODS

@@ -131,6 +131,10 @@ class EngineArgs:
                                             self.num_hosts) != (1, 1, 1):
             raise ValueError("quantization int8 runs on one device: tensor_parallel_size, data_parallel_size and "
                              "num_hosts must be 1")
+        if self.quantization == "gguf" and (self.tensor_parallel_size, self.pipeline_parallel_size,
+                                            self.data_parallel_size, self.num_hosts) != (1, 1, 1, 1):
+            raise ValueError("quantization gguf runs on one device: tensor_parallel_size, pipeline_parallel_size, "
+                             "data_parallel_size and num_hosts must be 1")
         if self.host_rank is not None and self.num_hosts > 1 and self.host_rank >= self.num_hosts:
             raise ValueError(f"host_rank must be in [0, num_hosts={self.num_hosts}), got {self.host_rank}")
         if self.coordinator is not None and not self.coordinator.rpartition(":")[2].isdigit():

@@ -94,8 +94,12 @@ class AsyncLLM(AsyncSleepMixin, AsyncWeightSync):  # sleep, wake_up, pause_gener
                 yield out
             return
         text, token_ids = self.engine.encode_prompt(prompt)
-        processor = getattr(self.engine, "mm_processor", None)  # (an encoder's engine has none)
-        token_ids, mm = processor.apply(prompt, token_ids) if processor else (token_ids, None)  # images
+        processor, mm = getattr(self.engine, "mm_processor", None), None  # (an encoder's engine has none)
+        if processor is not None and isinstance(prompt, dict) and prompt.get("multi_modal_data"):
+            # images: decoded and resized by the checkpoint's processor off the event loop
+            token_ids, mm = await asyncio.to_thread(processor.apply, prompt, token_ids)
+        elif processor is not None:
+            token_ids, mm = processor.apply(prompt, token_ids)  # text: checked for stray image placeholders
         self.engine.validate(token_ids, sampling_params)
         self.engine.check_has_weights()  # dropped by sleep(level=2) and not replaced: an error, not a wait
         self.engine.check_lora(lora_request)  # reads the adapter here, not on the engine thread

@@ -130,6 +130,9 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             if args.enable_lora:
                 check_lora_model(model.config)
             registry.refuse_flags(model.config, args, model.quantization)
+            if args.quantization == "gguf" and model.quantization != "gguf":  # its blocks are gone once loaded
+                raise ValueError("quantization: 'gguf' is applied while the engine loads a .gguf file; pass the "
+                                 "model's path, not a model already loaded")
             model = dataclasses.replace(model, config=with_expert_parallel(model.config, args.enable_expert_parallel))
             if mesh is not None:
                 model = dataclasses.replace(model, params=parallel.shard_params(model.params, mesh, model.config))

@@ -27,6 +27,10 @@ from jaxserve.models.config import ModelConfig
 # PEFT / HF module name -> the base model's weight name (models/llama.py)
 MODULES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
            "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
+# fused projections (Phi-3's qkv_proj [q; k; v] and gate_up_proj [gate; up] rows): an adapter on one is
+# the same A for each part and B split by the part's rows, which is exactly PEFT's x A^T B^T on the fused output
+FUSED = {"qkv_proj": ("wq", "wk", "wv"), "gate_up_proj": ("w_gate", "w_up")}
+FUSED_ARCHITECTURES = ("Phi3ForCausalLM",)
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
@@ -82,7 +86,7 @@ def check_adapter_config(conf: dict, max_lora_rank: int) -> tuple[int, float]:
     scaling = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
     targets = conf.get("target_modules")
     if isinstance(targets, (list, tuple)):
-        unknown = sorted(set(targets) - set(MODULES))
+        unknown = sorted(set(targets) - set(MODULES) - set(FUSED))
         if unknown:
             raise ValueError(f"target_modules: {unknown} are not projections of this model "
                              f"(supported: {sorted(MODULES)})")
@@ -105,6 +109,18 @@ def _read_tensors(p: Path) -> dict[str, np.ndarray]:
     raise ValueError(f"lora_path: {str(p)!r} has no adapter_model.safetensors or adapter_model.bin")
 
 
+def _split_fused(parts: tuple[str, ...], layer: int, ab: str, value: np.ndarray, dims: dict[str, tuple[int, int]],
+                 key: str) -> dict[tuple[str, int, str], np.ndarray]:
+    """A fused projection's lora_A (shared by its parts) or lora_B (split by the parts' output rows)."""
+    if ab == "A":
+        return {(part, layer, "A"): value for part in parts}
+    rows = [dims[part][1] for part in parts]
+    if value.ndim != 2 or value.shape[0] != sum(rows):
+        raise ValueError(f"r: {key!r} has shape {value.shape}; the fused projection has {sum(rows)} output rows")
+    bounds = np.cumsum([0, *rows])
+    return {(part, layer, "B"): value[lo:hi] for part, lo, hi in zip(parts, bounds[:-1], bounds[1:])}
+
+
 def load_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> LoRAWeights:
     """Read and check a PEFT adapter for the model `cfg`; ValueError naming the field on anything unsupported."""
     conf = read_adapter_config(path)
@@ -112,14 +128,18 @@ def load_adapter(path: str | Path, cfg: ModelConfig, max_lora_rank: int) -> LoRA
     tensors = _read_tensors(Path(path).expanduser())
     dims = module_dims(cfg)
     found: dict[tuple[str, int, str], np.ndarray] = {}
+    fused = cfg.architecture in FUSED_ARCHITECTURES
     for key, value in tensors.items():
         m = _KEY.search(key)
-        if m is None or m.group(2) not in MODULES:
+        if m is None or m.group(2) not in (set(MODULES) | (set(FUSED) if fused else set())):
             raise ValueError(f"target_modules: the adapter's tensor {key!r} targets a module this model lacks")
-        layer, module, ab = int(m.group(1)), MODULES[m.group(2)], m.group(3)
+        layer, ab = int(m.group(1)), m.group(3)
         if layer >= cfg.num_layers:
             raise ValueError(f"target_modules: {key!r} is for layer {layer}; the model has {cfg.num_layers}")
-        found[(module, layer, ab)] = value
+        if m.group(2) in FUSED:
+            found.update(_split_fused(FUSED[m.group(2)], layer, ab, value, dims, key))
+        else:
+            found[(MODULES[m.group(2)], layer, ab)] = value
     modules: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for module in sorted({k[0] for k in found}):
         n_in, n_out = dims[module]

@@ -15,26 +15,29 @@
 
 `--quantization` (EngineArgs.quantization) forces or checks the method: given with a
 quantized checkpoint it must name the checkpoint's method; given with a float
-checkpoint it must be a quantize-on-load method (int8, fp8).
+checkpoint it must be a quantize-on-load method (int8, fp8). `gguf` applies to a .gguf file only
+(weights/gguf_linear.py) and is refused here, for a Hugging Face directory.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jaxserve.constants import QUANTIZATION_CHECKPOINT_METHODS, QUANTIZATION_ON_LOAD_METHODS, QUANTIZATIONS
+from jaxserve.constants import (QUANTIZATION_CHECKPOINT_METHODS, QUANTIZATION_GGUF, QUANTIZATION_ON_LOAD_METHODS,
+                                QUANTIZATIONS)
 
 # The list of `--quantization` methods is defined once, with the other flags' names, in
 # jaxserve/constants.py (no JAX there: the CLI reads it); every place here and in sizing reads these.
 CHECKPOINT_METHODS = QUANTIZATION_CHECKPOINT_METHODS
 ON_LOAD_METHODS = QUANTIZATION_ON_LOAD_METHODS
+GGUF = QUANTIZATION_GGUF  # a .gguf file's blocks kept (quantization/gguf_packed.py)
 METHODS = QUANTIZATIONS
 # How `worker/sizing` counts a method's weights when only its name is known: the QuantizedWeight
 # scheme it most often loads into (compressed-tensors: its W4A16 pack-quantized form, the hub's
 # most common; its int8 / fp8 forms store 8 bits a weight, so this undercounts those by ~2x).
 BLOCK_MXFP4 = 32  # elements per e8m0 scale
 SIZING_SCHEMES = {"int8": "int8", "fp8": "fp8", "awq": "w4a16", "gptq": "w4a16", "compressed-tensors": "w4a16",
-                  "mxfp4": "mxfp4"}
+                  "mxfp4": "mxfp4", "gguf": "gguf"}
 assert set(SIZING_SCHEMES) == set(METHODS)
 
 
@@ -60,6 +63,9 @@ def _unsupported(method: object) -> ValueError:
 
 def detect(hf_config: dict, requested: str | None) -> QuantSpec | None:
     """The checkpoint's QuantSpec (None: a float checkpoint), checked against `requested`."""
+    if requested == GGUF:
+        raise ValueError("quantization: 'gguf' keeps a .gguf file's quantized tensors as their blocks; "
+                         "this model is a Hugging Face directory, not a .gguf file")
     qc = hf_config.get("quantization_config") or hf_config.get("compression_config")
     if not qc:
         if requested is not None and requested not in ON_LOAD_METHODS:

@@ -16,6 +16,8 @@ The path is picked here, never in the model (DESIGN.md rule 9):
                            scales, dequantized to x's dtype inside the program, then a float dot
                            (XLA fuses the convert and scale into the dot's operand on CPU; on GPU
                            the same XLA path for now)
+    gguf (GGUFWeight)      a GGUF file's blocks, one int8 a value and their scales
+                           (gguf_packed.py): x @ dequantize(w).T in the program
     w4a16 / w8a16          GPU and M <= DECODE_MAX_ROWS: the Pallas (Triton) dequantizing
                            kernel `pallas_kernels.w4a16_matmul` (4-bit; under tensor
                            parallelism on each device's shard, `w4a16_kernel`); otherwise
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxserve.quantization import gguf_packed
 from jaxserve.quantization.observed import Observed, observe
 from jaxserve.quantization.qweight import FP8_MAX, QuantizedWeight, dequantize
 
@@ -47,6 +50,9 @@ def matmul(x: jax.Array, w: jax.Array | QuantizedWeight | Observed, dots: jnp.dt
     if isinstance(w, Observed):  # calibration: report x's statistics, then the float product
         observe(x, w)
         return x @ w.weight
+    if isinstance(w, gguf_packed.GGUFWeight):  # a GGUF's blocks (--quantization gguf): widened in the dot
+        return gguf_packed.matmul(x, w) if dots is None else _dot(x.astype(dots), gguf_packed.dequantize(w, dots),
+                                                                   jnp.float32, b_axis=1).astype(x.dtype)
     if not isinstance(w, QuantizedWeight):
         if dots is None or x.dtype == w.dtype == dots:
             return x @ w

@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.quantization import gguf_packed
+
 SCHEMES = ("int8", "fp8", "w8a16", "w4a16", "fp8_block")
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -107,6 +109,8 @@ def pack_int(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, g_idx: np.nda
 
 def stack(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Per-layer host weights -> one with a leading layer axis (identity perms fill the gaps)."""
+    if isinstance(weights[0], gguf_packed.GGUFWeight):  # its own stack: a leaf's layers may differ in type
+        return gguf_packed.stack(weights)
     if any(w.perm is not None for w in weights):
         k = weights[0].shape[-2]
         weights = [w if w.perm is not None else _with(w, perm=np.arange(k, dtype=np.int32)) for w in weights]

@@ -35,7 +35,9 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
 
     `place_leaf` puts each stacked leaf on device; the default copies it whole to the
     default device, `jaxserve.parallel.place_fn(mesh, cfg)` sends each device only its slice.
-    `linear` (a quantized checkpoint) reads each layer's projections as QuantizedWeights.
+    `linear` (a quantized checkpoint) reads each layer's projections as QuantizedWeights (None for
+    a leaf it leaves float); one with `reads_head` set (--quantization gguf) reads the embedding and
+    the untied LM head too, and a tied head is then the embedding's own quantized weight.
     `expert_bits` (float32 weights on one device): MoE expert stacks stored in bfloat16 are kept as
     their bits (expert_weights.BF16_BITS), read layer by layer into the stack: never float32.
     """
@@ -61,8 +63,14 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
         arr = arr.astype(np.float32) if arr.dtype != np.float32 else arr
         return jnp.asarray(arr, dtype=dtype) if place_leaf is None else place_leaf(leaf, arr, dtype)
 
-    params: Params = {"embed": place(fetch("model.embed_tokens.weight", False, shapes["embed"]), shapes["embed"],
-                                     "model.embed_tokens.weight", "embed")}
+    # A reader with `reads_head` (--quantization gguf) may keep the embedding and the LM head quantized.
+    packed = getattr(linear, "reads_head", False)
+    embed = linear("model.embed_tokens", shapes["embed"]) if packed else None
+    params: Params = {"embed": jax.tree.map(jnp.asarray, embed) if embed is not None else place(
+        fetch("model.embed_tokens.weight", False, shapes["embed"]), shapes["embed"], "model.embed_tokens.weight",
+        "embed")}
+    if embed is not None:
+        bar.update(1)
     layers = {}
     tensors = registry.get_family(cfg.architecture).layer_tensors(cfg)
     for leaf, expected in shapes["layers"].items():
@@ -90,10 +98,11 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
         hf_name, transpose = tensors[leaf]
         if linear is not None and hf_name.endswith("_proj.weight"):
             prefix = hf_name.removesuffix(".weight")
-            qw = stack([linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in range(cfg.num_layers)])
-            layers[leaf] = jax.tree.map(jnp.asarray, qw)
-            bar.update(1)
-            continue
+            per_layer = [linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in range(cfg.num_layers)]
+            if per_layer[0] is not None:  # None: the reader keeps this leaf float (a GGUF's other types)
+                layers[leaf] = jax.tree.map(jnp.asarray, stack(per_layer))
+                bar.update(1)
+                continue
         stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
                              for i in range(cfg.num_layers)])
         layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}", f"layers/{leaf}")
@@ -102,7 +111,13 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     params["layers"] = layers
     params["final_norm"] = place(fetch("model.norm.weight", False, shapes["final_norm"]), shapes["final_norm"],
                                  "model.norm.weight", "final_norm")
-    if not cfg.tie_word_embeddings:
+    head = linear("lm_head", shapes["lm_head"]) if packed and not cfg.tie_word_embeddings else None
+    if head is not None:
+        params["lm_head"] = jax.tree.map(jnp.asarray, head)
+        bar.update(1)
+    elif packed and cfg.tie_word_embeddings and embed is not None:  # tied: the head is the embedding's blocks
+        params["lm_head"] = params["embed"].w
+    elif not cfg.tie_word_embeddings:
         params["lm_head"] = place(fetch("lm_head.weight", True, shapes["lm_head"]), shapes["lm_head"],
                                   "lm_head.weight", "lm_head")
     bar.close()

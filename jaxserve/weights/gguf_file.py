@@ -234,31 +234,48 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def gguf_name(arch: str, hf_name: str) -> str:
+    """The GGUF tensor name of a transformers name (KeyError when there is none)."""
+    if hf_name.startswith("model.layers."):
+        _, _, i, rest = hf_name.split(".", 3)
+        name = gguf_families.layer_name(arch, rest) or gguf_gemma.layer_name(arch, rest) or _LAYER_NAMES[rest]
+        return f"blk.{i}.{name}"
+    return _GLOBAL_NAMES[hf_name]
+
+
+def permuted_heads(cfg: ModelConfig, arch: str, name: str, rows: int) -> int | None:
+    """The head count whose rows llama.cpp permuted in tensor `name`, or None (not permuted)."""
+    if arch in PERMUTED_ARCHITECTURES and name.endswith(("attn_q.weight", "attn_k.weight")):
+        heads = cfg.num_heads if "attn_q" in name else cfg.num_kv_heads
+        if rows == heads * cfg.head_dim:  # otherwise the shape check names the tensor
+            return heads
+    return None
+
+
 def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool = True,
-              place_leaf: PlaceFn | None = None) -> Params:
+              place_leaf: PlaceFn | None = None, packed: bool = False) -> Params:
+    """The params; `packed` (--quantization gguf): quantized projections and LM head stay as their
+    blocks (quantization/gguf_packed.py), the rest is dequantized as without it."""
     from gguf.quants import dequantize
 
     cfg, arch, tensors = header.config, header.architecture, header.tensors
 
     def get(hf_name: str) -> np.ndarray:
-        if hf_name.startswith("model.layers."):
-            _, _, i, rest = hf_name.split(".", 3)
-            name = gguf_families.layer_name(arch, rest) or gguf_gemma.layer_name(arch, rest) or _LAYER_NAMES[rest]
-            gguf_name = f"blk.{i}.{name}"
-        else:
-            gguf_name = _GLOBAL_NAMES[hf_name]
-        t = tensors.get(gguf_name)
+        name = gguf_name(arch, hf_name)
+        t = tensors.get(name)
         if t is None:
             raise KeyError(hf_name)
         try:
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         except (NotImplementedError, ValueError, KeyError) as e:
-            raise ValueError(f"{path}: tensor {gguf_name!r} has quant type {t.tensor_type.name}, which "
+            raise ValueError(f"{path}: tensor {name!r} has quant type {t.tensor_type.name}, which "
                              f"the gguf package cannot dequantize ({e})") from None
-        if arch in PERMUTED_ARCHITECTURES and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
-            if w.shape[0] == heads * cfg.head_dim:  # otherwise the shape check names the tensor
-                w = _unpermute(w, heads)
-        return gguf_gemma.from_gguf(arch, gguf_name, w)  # Gemma's norms: 1 + w back to w
+        heads = permuted_heads(cfg, arch, name, w.shape[0])
+        if heads is not None:
+            w = _unpermute(w, heads)
+        return gguf_gemma.from_gguf(arch, name, w)  # Gemma's norms: 1 + w back to w
 
-    return assemble_params(cfg, get, dtype, str(path), progress, place_leaf)
+    from jaxserve.weights.gguf_linear import packed_reader  # it reads this module's names
+
+    linear = packed_reader(header, path, dtype) if packed else None
+    return assemble_params(cfg, get, dtype, str(path), progress, place_leaf, linear)

@@ -68,10 +68,14 @@ def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", pr
         raise ValueError(f"model: {source.where} describes a model but holds no weights to load")
     name = source.name
     cfg = with_expert_parallel(source.config, expert_parallel)  # before the weights are placed
+    if quantization == "gguf" and source.format != "gguf":
+        raise ValueError(f"quantization: 'gguf' keeps a .gguf file's quantized tensors as their blocks; "
+                         f"{source.where} is not a .gguf file")
     if source.format == "gguf":
         header, reader = source.gguf_header
-        params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg))
-        return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path)
+        packed = quantization == "gguf"
+        params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg), packed=packed)
+        return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path, "gguf" if packed else None)
     if source.format == "checkpoint":
         params = load_checkpoint_params(path, jdtype)
         if mesh is not None:

@@ -70,6 +70,9 @@ STORAGE: dict[str, QuantScheme] = {
     "w4a16": QuantScheme(4, 128, 2, 4, lm_head=False),  # AWQ / GPTQ / compressed-tensors 4-bit, group 128
     # gpt-oss: the experts only, e2m1 with an e8m0 scale per 32; attention and router stay float
     "mxfp4": QuantScheme(4, 32, 1, 0, lm_head=False, leaves=EXPERT_LEAVES),
+    # --quantization gguf: one int8 a value and an f16 scale per 32 (Q8_0/Q4_0/Q5_0; Q4_1 and the
+    # K-quants hold a little more), the untied head too (quantization/gguf_packed.py)
+    "gguf": QuantScheme(8, 32, 2, 0, lm_head=True),
 }
 # Every --quantization method (formats.METHODS, the one list), sized as the scheme it loads into.
 QUANT_SCHEMES: dict[str, QuantScheme] = {m: STORAGE[formats.SIZING_SCHEMES[m]] for m in formats.METHODS}
