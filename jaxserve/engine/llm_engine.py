@@ -164,9 +164,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         config = EngineConfig.resolve(args, cfg.max_position_embeddings, jax.default_backend())
         # (resolve_backend: the one hook tests use to run the Pallas kernels in interpret mode)
         config = dataclasses.replace(config, attention_backend=resolve_backend(args.attention_backend),
-                                     kv_layout=kv_layout(cfg, config.max_model_len,
-                                                         pipeline_parallel_size=args.pipeline_parallel_size,
-                                                         batch_invariant=config.batch_invariant))
+                                     kv_layout=kv_layout(cfg, config.max_model_len, args.pipeline_parallel_size,
+                                                         config.batch_invariant))
         self.config = self._size_kv(config, mesh)
         self.max_model_len, self.block_size = self.config.max_model_len, self.config.block_size
         self.num_gpu_blocks, self.num_cpu_blocks = self.config.num_gpu_blocks, self.config.num_cpu_blocks
@@ -453,17 +452,15 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
     def startup_report(self) -> str:
         if self.config is None:  # an encoder: no KV pool
             return self._encoder_report()
-        per_req = -(-self.max_model_len // self.block_size)
-        layout = self.config.kv_layout
-        if layout is not None:  # KV groups: a long request's steady holding (sliding groups: their window)
-            per_req = layout.blocks_held(self.max_model_len, self.block_size)
+        layout = self.config.kv_layout  # KV groups: a long request holds its sliding groups' window only
+        per_req = layout.blocks_held(self.max_model_len, self.block_size) if layout else -(-self.max_model_len // self.block_size)
         kv_values = kv_values_dtype(self.config.kv_cache_dtype, self.model_dtype).name
         sharding = ("" if self.mesh is None else
                     "\n" + parallel.sharding_summary(self.mesh, self.model.config, self.model.params, self.runner.kv))
         return sharding + (f"model {self.model_name} ({self.model.config.architecture}, {self.model.config.num_layers} layers) "
                 f"loaded in {self.load_seconds:.1f}s; weights: {self.weight_bytes / 2**20:.1f} MiB per device "
                 f"({self.model.quantization or self.args.quantization or 'not quantized'}); KV pool: {self.num_gpu_blocks} blocks of "
-                f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}{layout.describe() if layout is not None else ''}), max "
+                f"{self.block_size} tokens ({self.num_gpu_blocks * self.block_size} tokens, {kv_values}{layout.describe() if layout else ''}), max "
                 f"concurrency at max_model_len={self.max_model_len}: {self.num_gpu_blocks / per_req:.1f}x; "
                 f"swap blocks: {self.num_cpu_blocks}; "
                 + ("warm-up skipped (--enforce-eager): programs compile on first use, counted by "

@@ -60,7 +60,7 @@ class KVLayout:
     def describe(self) -> str:
         """The start-up log's words for the layout."""
         full = sum(g.window is None for g in self.groups)
-        return (f"; each block holds {self.size} layers of one of {full} full-attention and "
+        return (f"; each block holds {self.size} layer{'s' if self.size > 1 else ''} of one of {full} full-attention and "
                 f"{self.num_groups - full} sliding-window KV groups")
 
     def min_blocks(self, max_model_len: int, block_size: int) -> int:
@@ -68,7 +68,7 @@ class KVLayout:
         return -(-max_model_len // block_size) * self.num_groups
 
 
-def kv_layout(cfg, max_model_len: int, *, pipeline_parallel_size: int = 1,  # noqa: ANN001 (ModelConfig)
+def kv_layout(cfg, max_model_len: int, pipeline_parallel_size: int = 1,  # noqa: ANN001 (ModelConfig)
               batch_invariant: bool = False) -> KVLayout | None:
     """The groups for this model and configuration, or None: one table (a model without both kinds of
     layer, a window no request can outgrow, a family whose scan reads one table, PP, --batch-invariant)."""
