@@ -29,7 +29,7 @@ def results(model_dir, tiny_lora_refs, tmp_path_factory) -> dict:
     refs_path = tmp_path_factory.mktemp("dp") / "refs.json"
     refs_path.write_text(json.dumps(tiny_lora_refs))
     proc = subprocess.run([sys.executable, "-m", "tests.dp_worker", str(model_dir), str(refs_path)], cwd=root,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multidevice  # several (fake) devices or processes: mak
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu",
        "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-TIMEOUT_S = 240
+TIMEOUT_S = 480  # a bound against hangs, far above a rank's time with the other xdist worker beside it
 
 
 def free_port() -> int:

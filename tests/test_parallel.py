@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NUM_DEVICES = 8
 
 
-def run_worker(*args: str, timeout: int = 600) -> dict[str, dict]:
+def run_worker(*args: str, timeout: int = 1200) -> dict[str, dict]:
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={NUM_DEVICES}",
            "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "tests.parallel_worker", *args], cwd=ROOT, env=env,
