@@ -193,7 +193,8 @@ def test_refusals():
     from jaxserve.multimodal.processor import TextOnly
 
     png = base64.b64decode(_data_url(IMAGES[1]).split(",", 1)[1])
-    for url, match in (("https://example.com/a.png", "only data: URLs"), ("file:///etc/passwd", "only data: URLs"),
+    for url, match in (("ftp://example.com/a.png", "unsupported URL scheme 'ftp'"),
+                       ("file:///etc/passwd", "local files are read only when the server runs with"),
                        ("data:image/png;base64,@@@", "not valid base64"),
                        ("data:image/png;base64," + base64.b64encode(png[:len(png) // 2]).decode(), "not a readable")):
         message = {"role": "user", "content": [{"type": "text", "text": "x"},

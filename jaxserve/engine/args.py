@@ -123,6 +123,10 @@ class EngineArgs:
     # bitwise the same whatever batch, bucket or chunking computes it (worker/batch_invariant.py);
     # refused at start-up with what it cannot honour (GPU kernels, parallelism, quantization, LoRA, MoE).
     batch_invariant: bool = False
+    # vLLM's multimodal flags (docs/vision.md): at most N images a prompt, '{"image": N}' (None: no limit);
+    # file:// image URLs read only under this folder (None: refused)
+    limit_mm_per_prompt: dict | None = None
+    allowed_local_media_path: str | None = None
 
     @model_validator(mode="after")
     def _check_together(self) -> "EngineArgs":

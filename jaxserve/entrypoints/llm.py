@@ -231,7 +231,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conv in conversations:
-            conv, images = chat_images(conv)  # image content parts (jaxserve/multimodal/chat.py)
+            mm = getattr(self.llm_engine, "mm_processor", None)  # image parts (multimodal/chat.py), under the flags
+            conv, images = chat_images(conv, getattr(mm, "media", None), getattr(mm, "limit", None))
             ids = list(tok.apply_chat_template(conv, tokenize=True, add_generation_prompt=add_generation_prompt,
                                                chat_template=chat_template, return_dict=False))
             prompts.append({"prompt_token_ids": ids, **({"multi_modal_data": {"image": images}} if images else {})})

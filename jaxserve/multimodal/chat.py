@@ -1,24 +1,36 @@
-"""Image content parts of chat messages (`LLM.chat`), as vLLM takes them:
+"""Image content parts of chat messages (`LLM.chat`, /v1/chat/completions), as vLLM takes them:
 
-    {"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}   a data URL
-    {"type": "image_pil", "image_pil": PIL.Image}  /  {"type": "image", "image": PIL.Image}
+    {"type": "image_url", "image_url": {"url": ...}}   a data:, http(s) or (under --allowed-local-media-path)
+                                                        file:// URL, read by media.MediaLoader
+    {"type": "image_pil", "image_pil": PIL.Image}  /  {"type": "image", "image": PIL.Image}   (LLM.chat)
 
 Each becomes {"type": "image"} in the conversation the chat template renders (Qwen's template writes
 <|vision_start|><|image_pad|><|vision_end|> for it), and its image goes to multi_modal_data in order.
-http(s) URLs and file:// paths are not fetched yet: a ValueError naming the part, as is a body
-Pillow cannot read (a truncated PNG, a decompression bomb past Pillow's pixel limit).
+The count limit (--limit-mm-per-prompt) is checked before any URL is read. Every failure is a ValueError
+naming the part.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 from typing import Any
 
+from jaxserve.multimodal.media import MediaLoader
 
-def chat_images(conversation: list[dict]) -> tuple[list[dict], list[Any]]:
-    """(the conversation with image parts as {"type": "image"}, their images in order)."""
+IMAGE_KINDS = ("image_url", "image_pil", "image")
+
+
+def chat_images(conversation: list[dict], media: MediaLoader | None = None,
+                limit: int | None = None) -> tuple[list[dict], list[Any]]:
+    """(the conversation with image parts as {"type": "image"}, their images in order); `media` None: a
+    loader without local files, `limit` None: any number of images."""
+    found = [(i, j) for i, message in enumerate(conversation) if isinstance(message, dict)
+             and isinstance(message.get("content"), list) for j, part in enumerate(message["content"])
+             if isinstance(part, dict) and part.get("type") in IMAGE_KINDS]
+    if limit is not None and len(found) > limit:  # before any URL is fetched or decoded
+        i, j = found[limit]
+        raise ValueError(f"messages[{i}].content[{j}]: {len(found)} images in the prompt, more than "
+                         f"--limit-mm-per-prompt's {limit}")
+    media = media or MediaLoader()
     out, images = [], []
     for i, message in enumerate(conversation):
         content = message.get("content") if isinstance(message, dict) else None
@@ -28,8 +40,8 @@ def chat_images(conversation: list[dict]) -> tuple[list[dict], list[Any]]:
         parts = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in ("image_url", "image_pil", "image"):
-                images.append(_image(part, kind, f"messages[{i}].content[{j}]"))
+            if kind in IMAGE_KINDS:
+                images.append(_image(part, kind, f"messages[{i}].content[{j}]", media))
                 parts.append({"type": "image"})
             elif kind in ("video_url", "video", "input_audio", "audio_url"):
                 raise ValueError(f"messages[{i}].content[{j}]: {kind} parts are not supported yet")
@@ -39,7 +51,13 @@ def chat_images(conversation: list[dict]) -> tuple[list[dict], list[Any]]:
     return out, images
 
 
-def _image(part: dict, kind: str, where: str):
+def has_media(conversation: list[dict]) -> bool:
+    """Whether a message has a part other than text (an image to read, or a video part to refuse)."""
+    return any(isinstance(m, dict) and isinstance(m.get("content"), list) and
+               any(not isinstance(p, dict) or p.get("type") != "text" for p in m["content"]) for m in conversation)
+
+
+def _image(part: dict, kind: str, where: str, media: MediaLoader):
     from PIL import Image
 
     if kind != "image_url":
@@ -51,17 +69,4 @@ def _image(part: dict, kind: str, where: str):
     url = spec.get("url") if isinstance(spec, dict) else spec
     if not isinstance(url, str):
         raise ValueError(f"{where}.image_url.url: expected a string URL")
-    if not url.startswith("data:"):
-        scheme = url.split(":", 1)[0] if ":" in url else url[:16]
-        raise ValueError(f"{where}.image_url.url: only data: URLs are read for now, not {scheme!r}")
-    header, _, payload = url.partition(",")
-    if not header.endswith(";base64"):
-        raise ValueError(f"{where}.image_url.url: a data URL must be base64 (data:image/...;base64,...)")
-    try:
-        image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
-        image.load()  # decodes now: a truncated or corrupt body fails here, not in the processor
-    except (binascii.Error, ValueError) as e:
-        raise ValueError(f"{where}.image_url.url: not valid base64 ({e})") from None
-    except Exception as e:  # noqa: BLE001  (Pillow: UnidentifiedImageError, OSError, DecompressionBombError)
-        raise ValueError(f"{where}.image_url.url: not a readable image ({type(e).__name__}: {e})") from None
-    return image
+    return media.load(url, f"{where}.image_url.url")

@@ -18,12 +18,14 @@ import numpy as np
 
 from jaxserve.models.vision.config import VisionConfig
 from jaxserve.multimodal.inputs import ImageItem, MultiModalInputs, image_hash, rope_index
+from jaxserve.multimodal.media import MediaLoader, image_limit
 
 class TextOnly:
     """A model without a vision tower: prompts with images are refused."""
 
     def __init__(self, architecture: str) -> None:
         self.architecture = architecture
+        self.media, self.limit = MediaLoader(), None
 
     def apply(self, prompt: Any, token_ids: list[int]) -> tuple[list[int], MultiModalInputs | None]:
         if isinstance(prompt, dict) and prompt.get("multi_modal_data"):
@@ -34,10 +36,12 @@ class TextOnly:
 class ImageProcessor:
     """A vision-language model's prompts: images through the checkpoint's processor, placeholders expanded."""
 
-    def __init__(self, vision: VisionConfig, model_dir: Path) -> None:
+    def __init__(self, vision: VisionConfig, model_dir: Path, media: MediaLoader | None = None,
+                 limit: int | None = None) -> None:
         from transformers import AutoImageProcessor
 
-        self.vision = vision
+        self.vision, self.media, self.limit = vision, media or MediaLoader(), limit  # limit: images a prompt
+        self.max_patches: int | None = None  # the tower's budget (bind): a larger image is refused
         try:
             self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         except (OSError, ValueError) as e:
@@ -51,15 +55,25 @@ class ImageProcessor:
         if isinstance(prompt, dict) and isinstance(prompt.get("mm_inputs"), MultiModalInputs):
             return token_ids, prompt["mm_inputs"]  # processed already (AsyncLLM, off the engine thread)
         images = self._images(data)
+        if self.limit is not None and len(images) > self.limit:
+            raise ValueError(f"multi_modal_data.image: {len(images)} images, more than --limit-mm-per-prompt's "
+                             f"{self.limit}")
         placeholder = self.vision.image_token_id
         if not images:
             if placeholder in token_ids:
                 raise ValueError(f"prompt: holds image placeholder tokens (id {placeholder}) but "
                                  "multi_modal_data has no image")
             return token_ids, None
-        out = self.processor(images=images, return_tensors="np")
+        try:
+            out = self.processor(images=images, return_tensors="np")
+        except ValueError as e:  # Qwen's smart_resize: an aspect ratio over 200, ...
+            raise ValueError(f"multi_modal_data.image: the model's image processor refused an image: {e}") from None
         grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
         pixels = np.asarray(out["pixel_values"])
+        for i, (t, h, w) in enumerate(grids):
+            if self.max_patches is not None and t * h * w > self.max_patches:
+                raise ValueError(f"multi_modal_data.image[{i}]: {t * h * w} patches, more than the encoder budget "
+                                 f"of {self.max_patches}")
         counts = [t * h * w // self.vision.merge_unit for t, h, w in grids]
         ids, offsets = _expand(token_ids, placeholder, counts)
         starts = np.cumsum([0] + [t * h * w for t, h, w in grids])
@@ -68,6 +82,21 @@ class ImageProcessor:
         positions, delta = rope_index(len(ids), [(im.offset, im.length, im.grid) for im in items],
                                       self.vision.spatial_merge_size)
         return ids, MultiModalInputs(items, positions, delta)
+
+    def max_image_patches(self) -> int | None:
+        """The patches of the largest image the processor makes (its max_pixels; None: unbounded)."""
+        size = getattr(self.processor, "size", None)
+        pixels = getattr(self.processor, "max_pixels", None) or (
+            size.get("longest_edge") if isinstance(size, dict) else getattr(size, "longest_edge", None))
+        return None if pixels is None else int(pixels) // self.vision.patch_size ** 2
+
+    def bind(self, runner: Any) -> None:
+        """vLLM's encoder budget: the runner's (max_num_batched_tokens rows) raised to the largest image the
+        processor makes, images being resized down to max_pixels; so no image is refused for its size
+        unless the processor's config sets no max_pixels."""
+        largest = self.max_image_patches()
+        runner.patch_budget = max(runner.patch_budget, largest or 0)
+        self.max_patches = runner.patch_budget
 
     @staticmethod
     def _images(data: Any) -> list:
@@ -125,8 +154,15 @@ def processor_for(model: Any, args: Any) -> TextOnly | ImageProcessor:
     """The engine's prompt processor for a LoadedModel: images only for a model with a vision tower (its
     unsupported engine flags were refused before its weights were read: models/qwen2_vl.refuse_flags)."""
     vision = model.config.vision
+    media, limit = MediaLoader.from_args(args), image_limit(args)  # the flags checked at start-up
     if vision is None:
         return TextOnly(model.config.architecture)
     if model.tokenizer is None:
         raise ValueError(f"model: {model.config.architecture} needs its tokenizer beside the weights")
-    return ImageProcessor(vision, model.path)
+    return ImageProcessor(vision, model.path, media, limit)
+
+
+def image_processor_of(engine: Any) -> ImageProcessor | None:
+    """The server's engine client's image processor (AsyncLLM's engine's); None: a text-only model."""
+    processor = getattr(getattr(engine, "engine", None), "mm_processor", None)
+    return processor if isinstance(processor, ImageProcessor) else None

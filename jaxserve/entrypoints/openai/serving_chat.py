@@ -35,6 +35,7 @@ from jaxserve.entrypoints.openai.serving_engine import BaseServing, random_id, s
 from jaxserve.entrypoints.openai.streams import merge_streams, prime, until_disconnected
 from jaxserve.entrypoints.openai.structured import NamedToolChoice
 from jaxserve.entrypoints.openai.tool_calls import forced_calls, forced_tool_schema, parse_auto, split_reasoning
+from jaxserve.multimodal.serving import chat_images_async, with_images
 
 
 def load_chat_template(template: str | None) -> str | None:
@@ -49,8 +50,9 @@ def load_chat_template(template: str | None) -> str | None:
     return template
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, object]]:
-    """Messages as the template expects them: content parts joined into one string."""
+def conversation(messages: list[ChatMessage], keep_parts: bool = False) -> list[dict[str, object]]:
+    """Messages as the template expects them: content parts joined into one string (keep_parts, a
+    vision-language model: left as parts, its template places the images)."""
     result: list[dict[str, object]] = []
     for i, message in enumerate(messages):
         item = message.model_dump(exclude_none=True)
@@ -62,7 +64,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, object]]:
                     function["arguments"] = json.loads(function["arguments"])
                 except json.JSONDecodeError:
                     pass
-        if isinstance(message.content, list):
+        if isinstance(message.content, list) and keep_parts:
+            item["content"] = [part.model_dump(exclude_none=True) for part in message.content]
+        elif isinstance(message.content, list):
             texts = []
             for part in message.content:
                 if part.type != "text" or part.text is None:
@@ -93,10 +97,13 @@ class ServingChat(BaseServing):
 
     def render(self, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                continue_final_message: bool = False, template: str | None = None,
-               kwargs: dict[str, object] | None = None, tools: list[dict[str, object]] | None = None) -> list[int]:
+               kwargs: dict[str, object] | None = None, tools: list[dict[str, object]] | None = None,
+               conv: list[dict[str, object]] | None = None) -> list[int]:
+        """`conv`: the conversation already made from `messages` (with its image parts read)."""
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                conv if conv is not None else conversation(messages), tokenize=False,
+                add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=template or self.chat_template,
                 tools=tools, **(kwargs or {}))
         except OpenAIError:
@@ -131,10 +138,12 @@ class ServingChat(BaseServing):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         lora = self._check(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        conv, images = await chat_images_async(self.engine, req)  # a vision-language model's image parts
         prompt_ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message, template=req.chat_template,
-                                 kwargs=req.chat_template_kwargs, tools=tools)
+                                 kwargs=req.chat_template_kwargs, tools=tools, conv=conv)
         prompt_ids = self.truncate(prompt_ids, req.truncate_prompt_tokens)
+        prompt, prompt_ids = await with_images(self.engine, prompt_ids, images, req.truncate_prompt_tokens)
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = self.resolve_max_tokens(len(prompt_ids), requested, prompt_param="messages",
                                              max_tokens_param="max_completion_tokens")
@@ -145,7 +154,7 @@ class ServingChat(BaseServing):
                                         use_beam_search=req.use_beam_search, length_penalty=req.length_penalty)
         self.check_overload()
         request_id = random_id("chatcmpl")
-        streams = [self.stream(prompt_ids, params, request_id, lora_request=lora)]
+        streams = [self.stream(prompt, params, request_id, lora_request=lora)]
         merged = merge_streams(await prime(streams), streams)
         if req.stream:
             return StreamingResponse(sse_stream(self._events(req, request_id, len(prompt_ids), merged), merged),

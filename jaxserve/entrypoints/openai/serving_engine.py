@@ -154,7 +154,7 @@ class BaseServing:
 
     # --- engine streams ----------------------------------------------------------------------
 
-    async def stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+    async def stream(self, prompt_ids: list[int] | dict, params: SamplingParams, request_id: str,
                      *, prompt_logprobs: bool = False, lora_request=None) -> AsyncGenerator[RequestOutput, None]:
         """The engine's outputs for one prompt; records metrics when it finishes, aborts it otherwise."""
         finished = started = False

@@ -1,0 +1,184 @@
+"""Images over HTTP (issue 52): `image_url` content parts in /v1/chat/completions through the real app, a
+real uvicorn server in this process and the openai client, on the tiny Qwen2.5-VL of tests/vl_fixtures.py.
+
+    URLs         data:, http:// (a PNG served by a local http.server on a free port), file:// and a plain
+                 path under --allowed-local-media-path: greedy tokens equal to the offline LLM.chat of the
+                 same image (itself equal to transformers: tests/test_qwen2_vl.py), two images in a prompt
+    bad input    truncated PNG bytes, a body that is not an image, a 1x300 image the processor refuses, more
+                 images than --limit-mm-per-prompt (refused before any fetch), a file outside the allowed
+                 folder, an unreachable host, a redirect to file://, a video part: each a 400 naming the
+                 part; /health stays 200 and the next request is answered
+    text-only    an image part to a text-only model: a 400 naming messages.0.content
+    flags        --limit-mm-per-prompt's JSON form and --allowed-local-media-path checked at start-up
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import socket
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.moe_fixtures import EXACT
+from tests.vl_fixtures import IDS, image, save_vl_checkpoint
+
+MAX_TOKENS = 5
+IMG = image(84, 112, 0)
+IMG2 = image(56, 56, 1)
+
+
+def _png(im) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _data_url(body: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(body).decode()
+
+
+def _message(*urls: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                         {"type": "text", "text": "What is it?"}]}]
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        if self.path == "/redirect":  # a redirect to a local file: must not be followed
+            self.send_response(302)
+            self.send_header("Location", "file:///etc/passwd")
+            self.end_headers()
+            return
+        super().do_GET()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory) -> tuple[Path, str]:
+    """(the allowed folder, the base URL of an http server serving it)."""
+    root = tmp_path_factory.mktemp("media")
+    (root / "img.png").write_bytes(_png(IMG))
+    (root / "img2.png").write_bytes(_png(IMG2))
+    (root / "notes.txt").write_bytes(b"not an image at all")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return save_vl_checkpoint("qwen2_5_vl", tmp_path_factory.mktemp("vl") / "qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, media):
+    """(openai client, httpx client, offline greedy tokens of _message(IMG) and of _message(IMG, IMG2))."""
+    from jaxserve import LLM
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.engine.async_llm import AsyncLLM
+    from jaxserve.entrypoints.openai.api_server import build_app
+    from tests.fake_engine import serve_in_thread
+
+    llm = LLM(str(checkpoint), progress=False, enforce_eager=True, max_model_len=256, max_num_seqs=4,
+              kv_cache_memory=1 << 20, compilation_cache_dir="", allowed_local_media_path=str(media[0]),
+              limit_mm_per_prompt={"image": 2}, **EXACT)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    # one at a time, as the server runs them: the eager engine's shapes are the same
+    one, two = (llm.chat(m, params, use_tqdm=False)[0]
+                for m in (_message(_data_url(_png(IMG))), _message(_data_url(_png(IMG)), _data_url(_png(IMG2)))))
+    refs = (list(one.outputs[0].token_ids), list(two.outputs[0].token_ids))
+    engine = AsyncLLM(llm.llm_engine)
+    try:
+        with serve_in_thread(build_app(engine)) as url, httpx.Client(base_url=url, timeout=60) as raw:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+            yield client, raw, refs, str(llm.llm_engine.args.model)
+    finally:
+        engine.shutdown()
+
+
+def _tokens(client: openai.OpenAI, model: str, messages: list[dict]) -> list[int]:
+    out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=MAX_TOKENS,
+                                         temperature=0.0, logprobs=True,
+                                         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    return [int(t.token.removeprefix("token_id:")) for t in out.choices[0].logprobs.content]
+
+
+def test_image_urls_equal_offline_chat(served, media):
+    client, _, (one, two), model = served
+    root, base = media
+    for url in (_data_url(_png(IMG)), f"{base}/img.png", f"file://{root}/img.png", str(root / "img.png")):
+        assert _tokens(client, model, _message(url)) == one, url
+    assert _tokens(client, model, _message(f"{base}/img.png", f"file://{root}/img2.png")) == two
+
+
+def test_bad_images_are_400_and_the_server_stays_up(served, media, tmp_path):
+    client, raw, (one, _), model = served
+    root, base = media
+    png = _png(IMG)
+    outside = tmp_path / "outside.png"
+    outside.write_bytes(png)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}/img.png"
+    cases = [
+        (_message(_data_url(png[:len(png) // 2])), "not a readable image"),  # truncated PNG
+        (_message(f"{base}/notes.txt"), "not a readable image"),
+        (_message(_data_url(_png(image(1, 300, 3)))), "image processor refused"),  # aspect ratio over 200
+        (_message(dead, dead, dead), "3 images in the prompt, more than --limit-mm-per-prompt's 2"),  # no fetch
+        (_message(f"file://{outside}"), "outside --allowed-local-media-path"),
+        (_message(f"file://{root}/../{outside.parent.name}/outside.png"), "outside --allowed-local-media-path"),
+        (_message(dead), "cannot fetch the image"),
+        (_message(f"{base}/missing.png"), "answered HTTP 404"),
+        (_message(f"{base}/redirect"), "redirected to a non-http"),
+        ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"{base}/a.mp4"}}]}],
+         "video_url parts are not supported"),
+    ]
+    for messages, match in cases:
+        r = raw.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
+        assert r.status_code == 400, (match, r.text)
+        assert match in r.json()["error"]["message"], r.text
+        assert "messages[0].content" in r.text or "multi_modal_data.image" in r.text  # names the part
+        assert raw.get("/health").status_code == 200
+    assert _tokens(client, model, _message(f"{base}/img.png")) == one  # still answering
+
+
+def test_text_only_model_refuses_image_parts():
+    from jaxserve.entrypoints.openai.api_server import build_app
+    from tests.fake_engine import FakeAsyncLLM, serve_in_thread
+
+    with serve_in_thread(build_app(FakeAsyncLLM())) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=10, json={
+            "model": "fake-model", "messages": _message(_data_url(_png(IMG2)))})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "messages.0.content"
+    assert "'image_url' is not supported" in r.json()["error"]["message"]
+
+
+def test_flags_checked_at_start_up(tmp_path):
+    from types import SimpleNamespace
+
+    from jaxserve.entrypoints import cli_args
+    from jaxserve.multimodal.media import MediaLoader, image_limit
+
+    parser = cli_args.add_serve_args(__import__("argparse").ArgumentParser(), positional_model=False)
+    ns = parser.parse_args(["--limit-mm-per-prompt", '{"image": 3}', "--allowed-local-media-path", str(tmp_path)])
+    assert (ns.limit_mm_per_prompt, ns.allowed_local_media_path) == ({"image": 3}, str(tmp_path))
+    assert image_limit(ns) == 3 and MediaLoader.from_args(ns).allowed_local_media_path == tmp_path.resolve()
+    for limits, match in (({"video": 1}, "'video': only 'image'"), ({"image": -1}, "'image' must be an integer >= 0")):
+        with pytest.raises(ValueError, match=f"^limit_mm_per_prompt: {match}"):
+            image_limit(SimpleNamespace(limit_mm_per_prompt=limits))
+    with pytest.raises(ValueError, match="^allowed_local_media_path: .* is not a folder"):
+        MediaLoader.from_args(SimpleNamespace(allowed_local_media_path=str(tmp_path / "nope")))
+
