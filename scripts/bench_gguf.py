@@ -10,6 +10,8 @@ makes, and a GGUFWeight of each block type whose block fits K (random blocks); m
 use; an untimed run of the same requests compiles them), then greedy decode of B sequences of
 --tokens tokens with ignore_eos: milliseconds per step (wall / tokens, the short prefill included),
 and the weights' resident bytes (a tied head counted once) against the GGUF file's tensor bytes.
+--quantizations picks among float32,int8,gguf; --one-row on|off forces the 1-token model bucket and
+1-row sampler bucket a one-sequence decode runs with (default: the engine's choice, gguf weights only).
 One run each, small: a shared 2-core machine.
 """
 
@@ -78,8 +80,12 @@ def _unique_bytes(params) -> int:
     return total
 
 
-def bench_engine(model: str | None, batches: list[int], tokens: int) -> None:
+def bench_engine(model: str | None, batches: list[int], tokens: int, quantizations: list[str | None],
+                 one_row: str = "auto") -> None:
     from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.worker import model_runner
+    if one_row != "auto":  # the 1-row buckets forced on or off, whatever the weights (a measurement knob)
+        model_runner.one_row_buckets = lambda params: one_row == "on"
     from jaxserve.entrypoints.llm import LLM
     from jaxserve.weights.gguf_file import read_header
     from jaxserve.weights.source import resolve_model_path
@@ -89,7 +95,8 @@ def bench_engine(model: str | None, batches: list[int], tokens: int) -> None:
     file_bytes = sum(t.data.nbytes for t in header.tensors.values())
     print(f"model {path.name}: GGUF tensor bytes {file_bytes / 2**20:.1f} MiB; load average {os.getloadavg()[0]:.1f}")
     print("| quantization | resident weights MiB | x file | " + " | ".join(f"B={b} ms/step" for b in batches) + " |")
-    for quantization in (None, "int8", "gguf"):
+    print(f"one-row buckets: {one_row}")
+    for quantization in quantizations:
         llm = LLM(model, quantization=quantization, enforce_eager=True, max_model_len=256, max_num_seqs=max(batches),
                   max_num_batched_tokens=256, progress=False)
         resident = _unique_bytes(llm.llm_engine.model.params)
@@ -114,11 +121,15 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--quantizations", default="float32,int8,gguf")
+    ap.add_argument("--one-row", choices=("auto", "on", "off"), default="auto",
+                    help="the 1-token / 1-row buckets: as the engine picks (gguf weights only), or forced")
     args = ap.parse_args()
     if args.matmul:
         bench_matmul(args.reps)
     if args.engine:
-        bench_engine(args.model, [int(b) for b in args.batches.split(",")], args.tokens)
+        quantizations = [None if q == "float32" else q for q in args.quantizations.split(",")]
+        bench_engine(args.model, [int(b) for b in args.batches.split(",")], args.tokens, quantizations, args.one_row)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,30 @@ def test_engine_matches_the_float32_engine_on_the_default_model() -> None:
     assert [o.token_ids for o in outs["gguf"]] == [o.token_ids for o in outs[None]]
     assert_logprobs_close([generated_logprobs(o) for o in outs["gguf"]], [generated_logprobs(o) for o in outs[None]],
                           what="--quantization gguf")
+
+
+def test_one_sequence_decodes_on_one_row_with_no_compilation_after_warm_up() -> None:
+    """The start-up report's weight bytes count the tied head once (they counted it twice: 244 MiB
+    against 142.7). A one-sequence decode step runs the 1-token model bucket and the 1-row sampler
+    bucket (the fused one-row product), which warm-up compiled: a batch-1 and a batch-3 decode
+    compile nothing. The prompt's tokens and logprobs are the batch-3 step's (the tile-by-tile
+    product), which the test above holds to the float32 engine."""
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.entrypoints.llm import LLM
+
+    llm = LLM(None, quantization="gguf", dtype="float32", kv_cache_dtype="auto", block_size=16,
+              speculative_config={}, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, progress=False)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    assert runner.token_buckets[0] == 1 and runner.seq_buckets[0] == 1
+    # the start-up report's weights: the tied head (the embedding's own blocks) counted once
+    params = engine.model.params
+    head = sum(x.nbytes for x in jax.tree.leaves(params["lm_head"]))
+    assert params["lm_head"] is params["embed"].w
+    assert engine.weight_bytes == sum(x.nbytes for x in jax.tree.leaves(params)) - head
+    sampling = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    one = llm.generate(prompts[:1], sampling, use_tqdm=False)[0].outputs[0]
+    three = llm.generate(prompts, sampling, use_tqdm=False)[0].outputs[0]
+    assert engine.get_stats().num_compilations_after_warmup == 0
+    assert one.token_ids == three.token_ids
+    assert_logprobs_close([generated_logprobs(one)], [generated_logprobs(three)], what="batch 1 against batch 3")

@@ -33,6 +33,7 @@ from jaxserve.engine import pooling
 from jaxserve.engine.args import EngineArgs
 from jaxserve.engine.config import EngineConfig, default_bf16_dots_from
 from jaxserve.engine.generation_config import generation_defaults
+from jaxserve.quantization import gguf_packed
 from jaxserve.worker import sizing
 from jaxserve.worker.kv_groups import kv_layout
 from jaxserve.worker.kv_sizing import kv_bytes_per_block, needs_profile, num_device_blocks, refuse_oversized_weights
@@ -221,6 +222,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
         width = jnp.dtype(self.model_dtype).itemsize
         self.weight_bytes = sizing.weight_bytes_per_device(cfg, width, tp, args.pipeline_parallel_size,
                                                            args.quantization, expert_bits.expert_width(self.model.params))
+        if gguf_packed.holds_gguf(self.model.params):  # one device; the config cannot tell the file's block types
+            self.weight_bytes = gguf_packed.unique_nbytes(self.model.params)
         # the LoRA slots are allocated beside the weights, before the pool (vLLM's profile run counts them)
         self.lora_bytes = _lora_bytes(args, cfg, width, tp)
         self.activation_bytes = 0

@@ -249,3 +249,17 @@ class PackedEmbedding:
 
     def __getitem__(self, ids: jax.Array) -> jax.Array:
         return rows(self.w, ids, self.dtype)
+
+
+def holds_gguf(tree: object) -> bool:
+    """Whether a params tree holds any weight kept as a GGUF's blocks."""
+    return any(is_gguf(x) for x in jax.tree.leaves(tree, is_leaf=is_gguf))
+
+
+def unique_nbytes(tree: object) -> int:
+    """Bytes of a params tree's arrays, each buffer once: a tied head is the embedding's own
+    GGUFWeight (PackedEmbedding), the same arrays under two keys."""
+    seen: dict[int, int] = {}
+    for x in jax.tree.leaves(tree):
+        seen.setdefault(id(x), x.nbytes)
+    return sum(seen.values())

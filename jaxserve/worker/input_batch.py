@@ -111,12 +111,26 @@ def pallas_seq_buckets(max_num_seqs: int) -> list[int]:
     return out + [max(16, max_num_seqs)]
 
 
-def step_grids(pallas: bool, max_num_seqs: int, max_num_batched_tokens: int) -> tuple[list[int], list[int], list[int]]:
-    """The model step's token buckets, its decode-only buckets (Pallas only) and the sampler's seq buckets."""
+def step_grids(pallas: bool, max_num_seqs: int, max_num_batched_tokens: int,
+               one_row: bool = False) -> tuple[list[int], list[int], list[int]]:
+    """The model step's token buckets, its decode-only buckets (Pallas only) and the sampler's seq buckets.
+    one_row (CPU only, `one_row_buckets`): a 1-token model bucket and a 1-row sampler bucket first."""
     if pallas:
         return (pallas_token_buckets(max_num_batched_tokens),
                 pallas_decode_buckets(max_num_seqs, max_num_batched_tokens), pallas_seq_buckets(max_num_seqs))
-    return step_token_buckets(max_num_batched_tokens), [], step_seq_buckets(max_num_seqs)
+    tokens, seqs = step_token_buckets(max_num_batched_tokens), step_seq_buckets(max_num_seqs)
+    return ([1] + tokens, [], [1] + seqs) if one_row else (tokens, [], seqs)
+
+
+def one_row_buckets(params: object) -> bool:
+    """Whether a one-sequence decode step runs with one row rather than padded to the smallest
+    buckets: for weights kept as a GGUF's blocks (`--quantization gguf`), whose one-row product is
+    XLA:CPU's fused pass over the int8 values while more rows take the tile-by-tile form
+    (quantization/gguf_packed.matmul): 0.5B Q4_K_M, the LM head alone 102 ms at 8 rows. float32 and
+    int8 weights: measured in docs/benchmarks/log.md ("Batch-1 decode"), not taken."""
+    from jaxserve.quantization.gguf_packed import holds_gguf
+
+    return holds_gguf(params)
 
 
 def is_decode_only(out: SchedulerOutput) -> bool:

@@ -36,8 +36,8 @@ from jaxserve.worker.programs import (_copy_blocks, _fetch, _gather_blocks, _gat
 from jaxserve.parallel.jit import fresh_jit
 from jaxserve.worker.step_rows import (PROMPT_LOGPROB_ROWS, PromptLogprobChunk, in_chunks,  # noqa: F401
                                        pooling_chunks, prompt_logprob_chunks)
-from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, pack, step_grids, step_seq_buckets,
-                                         step_token_buckets)
+from jaxserve.worker.input_batch import (StepInput, bucket_for, is_decode_only, one_row_buckets, pack, step_grids,
+                                         step_seq_buckets, step_token_buckets)
 from jaxserve.sample.sampler import SamplerOutput, vocab_slices
 from jaxserve.sample.sampling_metadata import RowInfo, SamplingMetadata, min_tokens_suppress_ids
 from jaxserve.core.scheduler_output import ModelOutput, SampledToken, SchedulerOutput
@@ -174,7 +174,8 @@ class ModelRunner:
             self.kv = parallel.make_sharded_kv_cache(mesh, self.cfg, rc.num_blocks, rc.block_size, dtype,
                                                      num_layers=pool_layers)
         self.token_buckets, self.decode_buckets, self.seq_buckets = step_grids(
-            rc.backend in PALLAS_BACKENDS, rc.max_num_seqs, rc.max_num_batched_tokens)
+            rc.backend in PALLAS_BACKENDS, rc.max_num_seqs, rc.max_num_batched_tokens,
+            one_row=pipeline is None and not rc.batch_invariant and one_row_buckets(self.params))
         if rc.batch_invariant:  # every dot at M >= 64 (worker/batch_invariant.py)
             if self.cfg.moe is not None:
                 raise ValueError("batch_invariant: mixture-of-experts models group tokens by expert across the batch")
