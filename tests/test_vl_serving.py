@@ -1,6 +1,8 @@
 """Images over HTTP (issue 52): `image_url` content parts in /v1/chat/completions through the real app, a
 real uvicorn server in this process and the openai client, on the tiny Qwen2.5-VL of tests/vl_fixtures.py.
 
+    warm-up      the tower compiled at start-up for its patch buckets: images of several sizes then compile
+                 nothing (num_compilations_after_warmup 0); one past max_pixels is resized down, as vLLM does
     URLs         data:, http:// (a PNG served by a local http.server on a free port), file:// and a plain
                  path under --allowed-local-media-path: greedy tokens equal to the offline LLM.chat of the
                  same image (itself equal to transformers: tests/test_qwen2_vl.py), two images in a prompt
@@ -27,7 +29,7 @@ import openai
 import pytest
 
 from tests.moe_fixtures import EXACT
-from tests.vl_fixtures import IDS, image, save_vl_checkpoint
+from tests.vl_fixtures import image, save_vl_checkpoint
 
 MAX_TOKENS = 5
 IMG = image(84, 112, 0)
@@ -84,26 +86,27 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(checkpoint, media):
-    """(openai client, httpx client, offline greedy tokens of _message(IMG) and of _message(IMG, IMG2))."""
+    """(openai client, httpx client, offline greedy tokens of _message(IMG) and of _message(IMG, IMG2), the
+    model's name, the engine). One compiled engine with a small budget (16 tokens a step: the tower's 64
+    patches, raised to the processor's largest image, 256), its warm-up the tower's buckets included."""
     from jaxserve import LLM
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine.async_llm import AsyncLLM
     from jaxserve.entrypoints.openai.api_server import build_app
     from tests.fake_engine import serve_in_thread
 
-    llm = LLM(str(checkpoint), progress=False, enforce_eager=True, max_model_len=256, max_num_seqs=4,
+    llm = LLM(str(checkpoint), progress=False, max_model_len=128, max_num_seqs=1, max_num_batched_tokens=16,
               kv_cache_memory=1 << 20, compilation_cache_dir="", allowed_local_media_path=str(media[0]),
               limit_mm_per_prompt={"image": 2}, **EXACT)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    # one at a time, as the server runs them: the eager engine's shapes are the same
     one, two = (llm.chat(m, params, use_tqdm=False)[0]
                 for m in (_message(_data_url(_png(IMG))), _message(_data_url(_png(IMG)), _data_url(_png(IMG2)))))
     refs = (list(one.outputs[0].token_ids), list(two.outputs[0].token_ids))
-    engine = AsyncLLM(llm.llm_engine)
+    engine = AsyncLLM(llm.llm_engine)  # from here on only the server drives the engine
     try:
         with serve_in_thread(build_app(engine)) as url, httpx.Client(base_url=url, timeout=60) as raw:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-            yield client, raw, refs, str(llm.llm_engine.args.model)
+            yield client, raw, refs, str(llm.llm_engine.args.model), llm.llm_engine
     finally:
         engine.shutdown()
 
@@ -116,7 +119,7 @@ def _tokens(client: openai.OpenAI, model: str, messages: list[dict]) -> list[int
 
 
 def test_image_urls_equal_offline_chat(served, media):
-    client, _, (one, two), model = served
+    client, _, (one, two), model, _ = served
     root, base = media
     for url in (_data_url(_png(IMG)), f"{base}/img.png", f"file://{root}/img.png", str(root / "img.png")):
         assert _tokens(client, model, _message(url)) == one, url
@@ -124,7 +127,7 @@ def test_image_urls_equal_offline_chat(served, media):
 
 
 def test_bad_images_are_400_and_the_server_stays_up(served, media, tmp_path):
-    client, raw, (one, _), model = served
+    client, raw, (one, _), model, _ = served
     root, base = media
     png = _png(IMG)
     outside = tmp_path / "outside.png"
@@ -182,3 +185,22 @@ def test_flags_checked_at_start_up(tmp_path):
     with pytest.raises(ValueError, match="^allowed_local_media_path: .* is not a folder"):
         MediaLoader.from_args(SimpleNamespace(allowed_local_media_path=str(tmp_path / "nope")))
 
+
+def test_tower_warmup_then_no_compilations(served):
+    """The tower's buckets 64, 128 and 256 patches ran at warm-up; images of four sizes, two in one prompt
+    (more patches than one run takes: two runs) and one past max_pixels then compile nothing."""
+    client, _, _, model, engine = served
+    mm = engine.runner.mm
+    assert (mm.patch_budget, mm.buckets) == (256, [64, 128, 256])
+    encoded = mm.num_images_encoded
+    sizes = [(56, 56), (84, 112), (224, 224), (140, 56)]  # 16, 48, 256 (the processor's max) and 40 patches
+    urls = [_data_url(_png(image(h, w, 10 + i))) for i, (h, w) in enumerate(sizes)]
+    prompt_tokens = []
+    for messages in [_message(u) for u in urls] + [_message(urls[2], _data_url(_png(image(84, 112, 20)))),
+                                                   _message(_data_url(_png(image(448, 448, 21))))]:
+        out = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=2)
+        prompt_tokens.append(out.usage.prompt_tokens)
+    assert mm.num_images_encoded == encoded + 6  # urls[2] twice: once
+    assert engine.get_stats().num_compilations_after_warmup == 0
+    # larger than max_pixels: resized down by the checkpoint's processor (as vLLM does), not refused
+    assert prompt_tokens[-1] == prompt_tokens[2]

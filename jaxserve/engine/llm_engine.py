@@ -179,6 +179,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             self.pooler = pooling.Pooler.build(self.pooling_info, self.model.path, False, cfg.hidden_size)
         self.runner = ModelRunner(self.model, self.config.runner_config(), mesh, self.pipeline, self.lora, lora_dtype,
                                   pooling_rows=self.pooler.rows if self.pooler is not None else None)
+        if self.runner.mm is not None:  # the encoder budget fits the processor's largest image (multimodal/)
+            self.mm_processor.bind(self.runner.mm)
         self.load_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         if not args.enforce_eager:  # --enforce-eager: programs compile on first use instead

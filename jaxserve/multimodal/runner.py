@@ -10,6 +10,11 @@ image rows that replace the placeholder tokens' embeddings.
                           the model has them, zeros kept on the device where it has no image: one
                           program per token bucket)
 
+The tower's programs: one per power-of-two patch count from MIN_PATCH_BUCKET up to the encoder budget
+(vLLM's: max_num_batched_tokens merged rows a step, raised to the largest image the processor makes, so any
+image fits), all run at warm-up; a step's new images run in groups within the budget, so any mix of sizes
+compiles nothing after warm-up.
+
 The encoder cache holds each image's rows on the host, keyed by the image's content hash: the same
 image in several requests, or in several chunks of one, runs the tower once while it stays cached
 (least recently used entries beyond `cache_bytes` are dropped; a dropped one is encoded again).
@@ -43,8 +48,10 @@ class MultiModalStep:
 
 
 class MultiModalRunner:
-    def __init__(self, vision: VisionConfig, dtype: jnp.dtype, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+    def __init__(self, vision: VisionConfig, dtype: jnp.dtype, max_num_batched_tokens: int,
+                 cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self.vision, self.dtype, self.cache_bytes = vision, dtype, cache_bytes
+        self.patch_budget = max_num_batched_tokens * vision.merge_unit  # patches a tower run takes at most
         self._encode = fresh_jit(vision_forward, static_argnums=1)
         self._cache: OrderedDict[str, np.ndarray] = OrderedDict()
         self._cached_bytes = 0
@@ -93,7 +100,10 @@ class MultiModalRunner:
         for im, first, num, row in step.slices:
             embeds[row:row + num] = rows[im.hash][first:first + num]
             mask[row:row + num] = True
-        return dataclasses.replace(batch, mm_embeds=jnp.asarray(embeds, self.dtype), mm_mask=jnp.asarray(mask))
+        # cast on the host and device_put: a device-side cast, or jnp.asarray (jax 0.10 compiles a `stage`
+        # program per shape for it), would be one more program per token bucket after warm-up
+        return dataclasses.replace(batch, mm_embeds=jax.device_put(embeds.astype(self.dtype)),
+                                   mm_mask=jax.device_put(mask))
 
     def _rows(self, images: list[ImageItem], params: dict) -> dict[str, np.ndarray]:
         """Each image's merged rows [length, out_hidden]: from the cache, or from one tower run over
@@ -104,23 +114,56 @@ class MultiModalRunner:
                 found[im.hash] = self._cache[im.hash]
                 self._cache.move_to_end(im.hash)
         todo = list({im.hash: im for im in images if im.hash not in found}.values())
-        if not todo:
-            return found
-        vc = self.vision
-        num = sum(im.pixel_values.shape[0] for im in todo)
-        size = max(MIN_PATCH_BUCKET, 1 << (num - 1).bit_length())  # one program per power of two
-        pos, seg_full, seg_window = patch_layout(vc, [im.grid for im in todo], size)
-        pixels = np.zeros((size, vc.patch_dim), np.float32)
-        pixels[:num] = np.concatenate([im.pixel_values for im in todo])
-        merged = np.asarray(jax.device_get(self._encode(params, vc, jnp.asarray(pixels, self.dtype), pos, seg_full,
-                                                        seg_window)))
-        start = 0
-        for im in todo:
-            found[im.hash] = merged[start:start + im.length]
-            self._store(im.hash, found[im.hash])
-            start += im.length
-        self.num_images_encoded += len(todo)
+        for group in self._groups(todo):
+            merged = self._run(params, [im.grid for im in group], [im.pixel_values for im in group])
+            start = 0
+            for im in group:
+                found[im.hash] = merged[start:start + im.length]
+                self._store(im.hash, found[im.hash])
+                start += im.length
+            self.num_images_encoded += len(group)
         return found
+
+    @property
+    def buckets(self) -> list[int]:
+        """The tower's patch counts: powers of two from MIN_PATCH_BUCKET to the first >= the budget."""
+        out = [MIN_PATCH_BUCKET]
+        while out[-1] < self.patch_budget:
+            out.append(out[-1] * 2)
+        return out
+
+    def _groups(self, todo: list[ImageItem]) -> list[list[ImageItem]]:
+        """The images in runs of at most the largest bucket's patches (each image fits one: the
+        processor refuses a larger one), so no run needs a program warm-up did not compile."""
+        groups, size, cap = [], 0, self.buckets[-1]
+        for im in todo:
+            n = im.pixel_values.shape[0]
+            if not groups or size + n > cap:
+                groups.append([])
+                size = 0
+            groups[-1].append(im)
+            size += n
+        return groups
+
+    def _run(self, params: dict, grids: list[tuple[int, int, int]], pixel_values: list[np.ndarray]) -> np.ndarray:
+        """One tower run over the images' patches, padded to their power-of-two bucket: merged rows."""
+        vc = self.vision
+        num = sum(p.shape[0] for p in pixel_values)
+        size = max(MIN_PATCH_BUCKET, 1 << (num - 1).bit_length())  # one program per power of two
+        pos, seg_full, seg_window = patch_layout(vc, grids, size)
+        pixels = np.zeros((size, vc.patch_dim), np.float32)
+        pixels[:num] = np.concatenate(pixel_values)
+        return np.asarray(jax.device_get(self._encode(params, vc, jax.device_put(pixels.astype(self.dtype)), pos,
+                                                      seg_full, seg_window)))
+
+    def warmup(self, params: dict) -> int:
+        """Run the tower once per patch bucket, as serving runs it (a small image padded to the bucket):
+        afterwards any images within the budget compile nothing. Returns the number of buckets."""
+        m = self.vision.spatial_merge_size
+        for size in self.buckets:
+            grids = [(1, m, m * (size // (m * m)))]  # one image of exactly `size` patches
+            self._run(params, grids, [np.zeros((size, self.vision.patch_dim), np.float32)])
+        return len(self.buckets)
 
     def _store(self, key: str, rows: np.ndarray) -> None:
         self._cache[key] = rows

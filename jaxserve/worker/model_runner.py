@@ -214,7 +214,7 @@ class ModelRunner:
         if self.cfg.vision is not None:
             from jaxserve.multimodal.runner import MultiModalRunner
 
-            self.mm = MultiModalRunner(self.cfg.vision, self.params["embed"].dtype)
+            self.mm = MultiModalRunner(self.cfg.vision, self.params["embed"].dtype, rc.max_num_batched_tokens)
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, progress: bool = True) -> int:
@@ -265,6 +265,8 @@ class ModelRunner:
                 self.kv = jp.scatter_blocks(self.kv, pad, k, v)
                 bar.update(2)
         jax.block_until_ready(self.kv)
+        if self.mm is not None:  # the vision tower's patch buckets, up to the encoder budget
+            self.mm.warmup(self.params["vision"])
         return num_compilations() - before
 
     def shutdown(self, owns_params: bool = False) -> None:
