@@ -19,6 +19,7 @@ import os
 import functools
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import jax
@@ -234,10 +235,8 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             self.activation_bytes = (self.pipeline is None and activation_bytes(self.model, probe)) or \
                 sizing.activation_bytes_estimate(cfg, config.max_num_batched_tokens, args.max_num_seqs, width, tp)
         num_gpu = num_device_blocks(per_block, self.weight_bytes + self.lora_bytes, self.activation_bytes,
-                                    config.min_blocks,
-                                    num_gpu_blocks_override=args.num_gpu_blocks_override,
-                                    gpu_memory_utilization=args.gpu_memory_utilization,
-                                    kv_cache_memory=args.kv_cache_memory)
+                                    config.min_blocks, num_gpu_blocks_override=args.num_gpu_blocks_override,
+                                    gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory)
         num_cpu = int(args.swap_space * (1 << 30)) // per_block if args.preemption_mode == "swap" else 0
         return config.with_blocks(num_gpu, num_cpu)
 
@@ -488,11 +487,8 @@ def platform_defaults_note(config: EngineConfig) -> str:
             f"--kv-cache-dtype {sizing.ACCELERATOR_KV_CACHE_DTYPE} --speculative-config '{{}}' --dtype float32")
 
 
-def _read_template(value: str) -> str:
-    from pathlib import Path
-
-    p = Path(value)
-    return p.read_text() if p.is_file() else value
+def _read_template(value: str) -> str:  # a chat template given as a file's path, or as the text itself
+    return Path(value).read_text() if Path(value).is_file() else value
 
 
 def _lora_bytes(args: EngineArgs, cfg, width: int, tensor_parallel_size: int) -> int:
