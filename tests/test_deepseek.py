@@ -63,6 +63,36 @@ def test_latent_pool_holds_one_entry_per_token_and_layer(served):
     assert expanded / per_token == pytest.approx(4.8)  # these tiny shapes; V3: 128 x (192 + 128) vs 576, 71x
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])
+def test_mixed_layers_hold_only_their_own_weights(name, tmp_path):
+    """A model mixing dense and MoE layers (V3: first_k_dense_replace 1 of 3; Qwen3-MoE: mlp_only_layers
+    [1] of 3) holds transformers' parameters and no more: no zero MLP in the sparse layers, no zero
+    experts in the dense one (the `sparse` flag [L] is the engine's one addition); `jaxserve plan`'s
+    weight bytes and parameter count say the same."""
+    import jax
+    import torch
+    import transformers
+
+    from jaxserve.plan.estimate import total_params
+    from jaxserve.weights.loader import load_model
+    from jaxserve.worker.sizing import stage_weight_bytes
+    from tests.moe_fixtures import save_checkpoint as save_moe
+
+    path = save_checkpoint("v3", tmp_path) if name == "deepseek_v3" else save_moe(name, tmp_path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    want = sum(p.numel() for p in hf.parameters()) + sum(  # V3's selection bias is a buffer in the checkpoint
+        b.numel() for k, b in hf.named_buffers() if k.endswith("e_score_correction_bias"))
+    loaded = load_model(str(path), "float32", progress=False)
+    cfg, layers = loaded.config, loaded.params["layers"]
+    assert cfg.moe.dense_layers == ((0,) if name == "deepseek_v3" else (1,))
+    assert layers["w_gate"].shape[0] == 1 and layers["we_gate"].shape[0] == layers["router"].shape[0] == 2
+    held = sum(x.size for x in jax.tree.leaves(loaded.params))
+    assert held == want + cfg.num_layers  # the flag
+    assert sum(x.nbytes for x in jax.tree.leaves(loaded.params)) == 4 * held
+    assert stage_weight_bytes(cfg, 4) == 4 * held
+    assert total_params(cfg) == want
+
+
 @pytest.mark.parametrize("name", ["v2", "v3"])
 def test_router_selects_the_experts_transformers_selects(name):
     """1,000 tokens through transformers' router module and DeepSeek's router here: the same experts,
@@ -134,3 +164,4 @@ def test_unsupported_flags_are_refused_at_start_up(tmp_path):
             registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path), **{flag: 2}))
     with pytest.raises(ValueError, match="^quantization_config: not supported"):
         registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path)), "fp8")
+

@@ -89,15 +89,17 @@ def test_experts_stay_fp8_and_tokens_equal_transformers(checkpoint):
     layers = engine.model.params["layers"]
     we_gate, we_down = layers["we_gate"], layers["we_down"]
     assert isinstance(we_gate, QuantizedWeight) and we_gate.scheme == "fp8_block"
-    assert we_gate.values.dtype == jnp.float8_e4m3fn and we_gate.values.shape == (3, 8, 64, 128)  # [L, E, I, H]
-    assert we_gate.scales.shape == (3, 8, 2, 4) and we_down.values.shape == (3, 8, 128, 64)
-    assert isinstance(layers["w_gate"], QuantizedWeight)  # the dense layer's MLP too (zeros in sparse layers)
+    # the 2 sparse layers' experts only (layer 1 is dense: mlp_only_layers), [L_sparse, E, I, H]
+    assert we_gate.values.dtype == jnp.float8_e4m3fn and we_gate.values.shape == (2, 8, 64, 128)
+    assert we_gate.scales.shape == (2, 8, 2, 4) and we_down.values.shape == (2, 8, 128, 64)
+    assert isinstance(layers["w_gate"], QuantizedWeight)  # the dense layer's MLP too, and only its own
+    assert layers["w_gate"].values.shape[0] == 1
     hf = ref.model.layers[2].mlp.experts  # the loaded experts are transformers' dequantized ones
-    np.testing.assert_array_equal(dense_weight(we_down)[2], hf.down_proj.detach().numpy())
+    np.testing.assert_array_equal(dense_weight(we_down)[1], hf.down_proj.detach().numpy())
     hf_gate = hf.gate_up_proj.detach().numpy()[:, :64]
     np.testing.assert_array_equal(dense_weight(we_gate)[0], ref.model.layers[0].mlp.experts.gate_up_proj.detach()
                                   .numpy()[:, :64])
-    np.testing.assert_array_equal(dense_weight(we_gate)[2], hf_gate)
+    np.testing.assert_array_equal(dense_weight(we_gate)[1], hf_gate)
     engine.shutdown()
 
 

@@ -14,7 +14,7 @@ Leaves ([L, ...], weights [in, out]): attn_norm, mlp_norm; wq, or wq_a, q_a_norm
 R + rope], kv_a_norm [R]; w_uk [H, nope, R], w_uv [H, v, R] (kv_b_proj split per head, for the absorbed
 attention); wo [H * v, hidden]; router [hidden, E], e_bias [E] (V3); we_* (experts), ws_* (the shared
 experts, width n_shared_experts * moe_intermediate_size); w_gate/w_up/w_down and `sparse` when some
-layers are dense (moe_layers.py: both kinds in every layer, zeros where absent). A checkpoint's
+layers are dense (each kind's leaves stacked over its own layers only: models/layer_kinds.py). A checkpoint's
 multi-token-prediction layer (V3's model.layers.61) is past num_hidden_layers and is not read.
 
 Not served yet (refused at start-up, naming the flag): tensor / pipeline parallelism, LoRA,
@@ -38,6 +38,7 @@ from jaxserve.models.deepseek_router import GroupedTopK
 from jaxserve.models.expert_weights import EXPERT_STACKS, LAYER_VIEWS, LayerStack
 from jaxserve.models.llama import MLP_TENSORS, dense_mlp, mlp_shapes, rms_norm
 from jaxserve.models.moe import Experts, Router, moe
+from jaxserve.models.layer_kinds import KIND_INDEX, mixed_ffn, split_scanned, stack_shapes
 from jaxserve.models.moe_layers import expert_readers, mixed_layer_tensors, moe_partition_rules
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ def param_shapes(cfg: ModelConfig) -> dict:
         layers.update(mlp_shapes(L, H, e.shared_expert_intermediate_size, "ws"))
     if e.dense_layers:
         layers.update(mlp_shapes(L, H, cfg.intermediate_size), sparse=(L,))
-    shapes = {"embed": (cfg.vocab_size, H), "layers": layers, "final_norm": (H,)}
+    shapes = {"embed": (cfg.vocab_size, H), "layers": stack_shapes(cfg, layers), "final_norm": (H,)}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (H, cfg.vocab_size)
     return shapes
@@ -146,10 +147,7 @@ def layer_tensors(cfg: ModelConfig) -> dict:
                        ws_down=("mlp.shared_experts.down_proj.weight", True))
     if cfg.moe.dense_layers:
         tensors.update(MLP_TENSORS)
-    tensors = mixed_layer_tensors(cfg, tensors)
-    if "e_bias" in tensors and cfg.moe.dense_layers:  # a dense layer has no gate: zeros
-        tensors["e_bias"] = _sparse_only(cfg, tensors["e_bias"])
-    return tensors
+    return mixed_layer_tensors(cfg, tensors)
 
 
 def _kv_b(cfg: ModelConfig, which: int):
@@ -163,14 +161,6 @@ def _kv_b(cfg: ModelConfig, which: int):
     return read
 
 
-def _sparse_only(cfg: ModelConfig, src: tuple[str, bool]):
-    def read(get, prefix: str) -> np.ndarray:
-        if not cfg.moe.is_sparse(int(prefix.rstrip(".").rsplit(".", 1)[1])):
-            return np.zeros(cfg.moe.num_experts, np.float32)
-        return np.asarray(get(prefix + src[0]))
-    return read
-
-
 def ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla",
         valid: jax.Array | None = None) -> jax.Array:
     """The routed experts plus the shared ones, or the dense MLP in a dense layer."""
@@ -178,15 +168,13 @@ def ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla
     select = GroupedTopK(e.router, e.num_experts_per_tok, e.n_group, e.topk_group, e.norm_topk_prob,
                          e.routed_scaling_factor)
 
-    def sparse(x: jax.Array) -> jax.Array:
+    def sparse(lp: dict, x: jax.Array) -> jax.Array:
         router = Router(lp["router"], None, e.num_experts_per_tok, e.norm_topk_prob, e.router, select, lp.get("e_bias"))
         out = moe(x, router, Experts(lp["we_gate"], lp["we_up"], lp["we_down"]), dots, e.expert_parallel,
                   backend, valid)
         return out + dense_mlp(cfg, lp, x, dots, prefix="ws") if e.shared_expert_intermediate_size else out
 
-    if not e.dense_layers:
-        return sparse(x)
-    return jax.lax.cond(lp["sparse"] > 0, sparse, lambda x: dense_mlp(cfg, lp, x, dots), x)
+    return mixed_ffn(cfg, lp, x, sparse, lambda lp, x: dense_mlp(cfg, lp, x, dots))
 
 
 def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], token_ids: jax.Array,
@@ -203,13 +191,15 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
     inv_freq = jnp.asarray(mla.rope_frequencies(cfg), jnp.float32)
     lazy = {k: layers[k] for k in EXPERT_STACKS if k in layers}
     views = layers.get(LAYER_VIEWS, {})
-    layers = {k: v for k, v in layers.items() if k not in lazy and k != LAYER_VIEWS}
+    layers, local, kind_index = split_scanned({k: v for k, v in layers.items() if k not in lazy and k != LAYER_VIEWS})
     valid = md.slot_mapping >= 0  # padding rows are routed nowhere (moe.moe)
 
     def layer_body(carry, xs):
         h, pool, empty = carry
-        lp, layer = xs
-        lp = {**lp, **{k: LayerStack(v, layer, views.get(k)) for k, v in lazy.items()}}
+        lp, layer, row = xs  # row: the layer's index among its kind (dense or MoE: layer_kinds.py)
+        lp = {**lp, **{k: LayerStack(v, row, views.get(k)) for k, v in lazy.items()}}
+        if kind_index is not None:
+            lp.update(local, **{KIND_INDEX: row})
         attn, pool = mla.attention(cfg, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions, pool, md,
                                    layer, inv_freq, dots)
         h = h + attn
@@ -217,7 +207,8 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
         return (h + out, pool, empty), None
 
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, pool, empty), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
+    rows = layer_ids if kind_index is None else kind_index
+    (h, pool, empty), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids, rows))
     return (pool, empty), rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
 
 

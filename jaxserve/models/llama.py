@@ -41,7 +41,7 @@ import numpy as np
 
 from typing import Mapping
 
-from jaxserve.models import attention, registry
+from jaxserve.models import attention, layer_kinds, registry
 from jaxserve.lora import layers as lora
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import ModelConfig
@@ -193,12 +193,16 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
     # come their layers as arrays of their own where the runner made them (LAYER_VIEWS).
     lazy = {k: layers[k] for k in EXPERT_STACKS if k in layers}
     views = layers.get(LAYER_VIEWS, {})
-    layers = {k: v for k, v in layers.items() if k not in lazy and k != LAYER_VIEWS}
+    # a model mixing dense and MoE layers: each kind's leaves stacked over its own layers (layer_kinds.py)
+    layers, local, kind_index = layer_kinds.split_scanned(
+        {k: v for k, v in layers.items() if k not in lazy and k != LAYER_VIEWS})
 
     def layer_body(carry, xs):
         h, k_cache, v_cache = carry
-        lp, layer = xs
-        lp = {**lp, **{k: LayerStack(v, layer, views.get(k)) for k, v in lazy.items()}}
+        lp, layer, row = xs
+        lp = {**lp, **{k: LayerStack(v, row, views.get(k)) for k, v in lazy.items()}}
+        if kind_index is not None:
+            lp.update(local, **{layer_kinds.KIND_INDEX: row})
         # pre-norms where the layer has them (OLMo 2 has none: it norms each sub-layer's output instead)
         x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps) if "attn_norm" in lp else h
         attn_out, (k_cache, v_cache) = _attention_block(
@@ -218,7 +222,8 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
 
     num_layers = jax.tree.leaves(layers["wo"])[0].shape[0]
     layer_ids = jnp.arange(num_layers, dtype=jnp.int32)
-    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids))
+    rows = layer_ids if kind_index is None else kind_index
+    (h, k_cache, v_cache), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids, rows))
     return (k_cache, v_cache), h
 
 

@@ -8,12 +8,12 @@ A MoE model's layers are Llama's attention half plus, per layer (leaves stacked 
     ws_gate, ws_up [L, H, S]  ws_down [L, S, H]  ws_router [L, H, 1]   a shared expert (Qwen2-MoE)
     w_gate, w_up [L, H, D]  w_down [L, D, H]  sparse [L]   only when some layers are dense
 
-Dense layers between sparse ones (mlp_only_layers, decoder_sparse_step): every layer holds
-both kinds and the `sparse` flag (1.0 / 0.0) picks the branch in the scan (`lax.cond`, one
-runs). The absent kind is zeros: a mixed model pays that memory (the dense MLP in every
-sparse layer, the experts in every dense layer) for one compiled layer body whatever the
-pattern; a model whose layers are all sparse (Qwen3-30B-A3B, Mixtral) holds experts only.
-The flag is a leaf, so pipeline stages slice it with their layers.
+Dense layers between sparse ones (mlp_only_layers, decoder_sparse_step): each kind's leaves are
+stacked over that kind's layers only (the router and experts over the sparse layers, w_gate/up/down
+over the dense ones: models/layer_kinds.py), and the `sparse` flag (1.0 / 0.0) picks the branch in
+the scan (`lax.cond`, one runs), which reads its row at the layer's index among its kind. A model
+whose layers are all sparse (Qwen3-30B-A3B, Mixtral) holds experts only. The flag is a leaf, so
+pipeline stages slice it with their layers (and each kind's rows of their layers).
 
 Tensor parallelism without `--enable-expert-parallel`: every expert's intermediate axis I is
 split (gate/up outputs, down inputs), as a dense MLP; with it, the expert axis E is split and
@@ -25,14 +25,14 @@ from __future__ import annotations
 from typing import Callable, Mapping
 
 import jax
-import ml_dtypes
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models.config import ModelConfig, MoeConfig, num_experts_from_hf
+from jaxserve.models.layer_kinds import mixed_ffn, stack_shapes
 from jaxserve.models.llama import attention_shapes, dense_mlp, mlp_shapes
 from jaxserve.models.moe import Experts, Router, moe
-from jaxserve.quantization.qweight import QuantizedWeight, fp8_block, stack, transposed
+from jaxserve.quantization.qweight import fp8_block, stack, transposed
 
 MODEL_AXIS = "model"
 
@@ -66,6 +66,7 @@ def moe_param_shapes(cfg: ModelConfig) -> dict:
         layers.update(mlp_shapes(L, H, m.shared_expert_intermediate_size, "ws"), ws_router=(L, H, 1))
     if m.dense_layers:
         layers.update(mlp_shapes(L, H, cfg.intermediate_size), sparse=(L,))
+    shapes["layers"] = stack_shapes(cfg, layers)  # each kind's leaves over its own layers
     return shapes
 
 
@@ -76,7 +77,7 @@ def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = 
     matmul kernel); valid: the step's real tokens (moe.moe)."""
     m = _moe(cfg)
 
-    def sparse(x: jax.Array) -> jax.Array:
+    def sparse(lp: dict, x: jax.Array) -> jax.Array:
         router = Router(lp["router"], None, m.num_experts_per_tok, m.norm_topk_prob, m.router)
         out = moe(x, router, Experts(lp["we_gate"], lp["we_up"], lp["we_down"]), dots, m.expert_parallel,
                   backend, valid)
@@ -85,9 +86,7 @@ def moe_ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = 
             out = out + gate * dense_mlp(cfg, lp, x, dots, prefix="ws")
         return out
 
-    if not m.dense_layers:
-        return sparse(x)
-    return jax.lax.cond(lp["sparse"] > 0, sparse, lambda x: dense_mlp(cfg, lp, x, dots), x)
+    return mixed_ffn(cfg, lp, x, sparse, lambda lp, x: dense_mlp(cfg, lp, x, dots))
 
 
 def moe_partition_rules(cfg: ModelConfig, tp: int) -> dict:
@@ -205,63 +204,18 @@ def quantized_experts(cfg: ModelConfig, get, base: str, per_expert: tuple[str, s
 
 
 def mixed_layer_tensors(cfg: ModelConfig, tensors: dict) -> dict:
-    """`tensors` (leaf -> reader) with zeros in the layers of the other kind, plus the `sparse` flag."""
+    """`tensors` (leaf -> reader) plus the `sparse` flag of a model mixing dense and MoE layers; the
+    loader reads each kind's leaves from that kind's layers only (layer_kinds.leaf_layers)."""
     m = _moe(cfg)
     if not m.dense_layers:
         return tensors
-    shapes = moe_param_shapes(cfg)["layers"]
-    out = {}
-    for leaf, src in tensors.items():
-        dense_leaf = leaf in ("w_gate", "w_up", "w_down")
-        moe_leaf = leaf in ("router", "we_gate", "we_up", "we_down") or leaf.startswith("ws_")
-        if not (dense_leaf or moe_leaf):
-            out[leaf] = src
-            continue
-        out[leaf] = _zeros_unless(cfg, src, shapes[leaf][1:], moe_leaf)
-    out["sparse"] = lambda get, prefix: np.float32(m.is_sparse(int(prefix.rstrip(".").rsplit(".", 1)[1])))
-    return out
+    return {**tensors, "sparse": lambda get, prefix: np.float32(m.is_sparse(int(prefix.rstrip(".").rsplit(".", 1)[1])))}
 
 
 def check_quantization(cfg: ModelConfig, method: str, scheme: str) -> None:
     """ValueError at load for a checkpoint format whose MoE experts this code cannot read."""
     if cfg.moe is not None and scheme not in ("fp8_block", "mxfp4"):
         raise ValueError(unsupported_expert_quantization(method, scheme))
-
-
-def _zeros_unless(cfg: ModelConfig, src, shape: tuple[int, ...], sparse: bool) -> Callable:
-    """A reader of the layers of one kind, zeros in the others; with a quantized checkpoint's
-    `linear`, its projections are read (and the zeros made) as QuantizedWeights."""
-    projection = callable(src) and getattr(src, "takes_linear", False) or \
-        not callable(src) and src[0].endswith("_proj.weight")
-
-    def read(get, prefix: str, linear=None):
-        layer = int(prefix.rstrip(".").rsplit(".", 1)[1])
-        quantized = linear is not None and projection
-        if _moe(cfg).is_sparse(layer) != sparse:
-            if not quantized:
-                return np.zeros(shape, np.float32)
-            if len(shape) == 3:  # an expert stack [E, N, K]: output-major
-                return transposed(_zero_weight((*shape[:-2], shape[-1], shape[-2]), linear.spec))
-            return _zero_weight(shape, linear.spec)
-        if callable(src):
-            return src(get, prefix, linear) if quantized else src(get, prefix)
-        name, transpose = src
-        if quantized:
-            return linear(prefix + name.removesuffix(".weight"), shape)
-        arr = np.asarray(get(prefix + name))
-        return arr.T if transpose else arr
-    return takes_linear(read) if projection else read
-
-
-def _zero_weight(shape: tuple[int, ...], spec):
-    """A block-wise fp8 weight of zeros ([..., K, N]): the absent kind of a mixed model's layer."""
-    if spec.scheme != "fp8_block":
-        raise ValueError(unsupported_expert_quantization(spec.method, spec.scheme))
-    bn, bk = spec.block_size
-    *lead, k, n = shape
-    values = np.zeros(shape, ml_dtypes.float8_e4m3fn)
-    return QuantizedWeight(values, np.ones((*lead, -(-k // bk), -(-n // bn)), np.float32), scheme="fp8_block",
-                           group_size=bk, block_cols=bn)
 
 
 def _moe(cfg: ModelConfig) -> MoeConfig:

@@ -35,7 +35,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxserve.models import llama
+from jaxserve.models import layer_kinds, llama
 from jaxserve.models.config import ModelConfig
 from jaxserve.parallel.mesh import make_mesh
 from jaxserve.parallel.sharding import ModelShardings, make_sharded_kv_cache
@@ -62,7 +62,7 @@ def split_params(params: dict, cfg: ModelConfig, ranges: Sequence[tuple[int, int
     norm and LM head on the last (tied embeddings: the embedding, used as the head)."""
     stages = []
     for s, (a, b) in enumerate(ranges):
-        sp: dict = {"layers": jax.tree.map(lambda x: x[a:b], params["layers"])}
+        sp: dict = {"layers": layer_kinds.slice_layers(cfg, params["layers"], a, b)}  # a mixed MoE: each kind's rows
         if s == 0:
             sp["embed"] = params["embed"]
         if s == len(ranges) - 1:
@@ -94,7 +94,7 @@ class Pipeline:
 
     @property
     def stage_configs(self) -> list[ModelConfig]:
-        return [dataclasses.replace(self.cfg, num_layers=b - a) for a, b in self.ranges]
+        return [layer_kinds.stage_config(self.cfg, a, b) for a, b in self.ranges]
 
     @property
     def sampler_params(self) -> dict:

@@ -99,23 +99,17 @@ def matmul_params(cfg: ModelConfig) -> int:
     layers = sum(_prod(v) for k, v in param_shapes(cfg)["layers"].items() if k in sizing.MATMUL_LEAVES)
     if cfg.moe is not None:
         m, sparse = cfg.moe, cfg.num_layers - len(cfg.moe.dense_layers)
-        if m.dense_layers:  # the engine holds both kinds in every layer; a token uses one
-            layers -= sparse * 3 * cfg.hidden_size * cfg.intermediate_size
         layers += sparse * cfg.hidden_size * (3 * m.active_intermediate_size + m.num_experts)
     return layers + cfg.hidden_size * cfg.vocab_size
 
 
 def total_params(cfg: ModelConfig) -> int:
-    """Every weight the model holds (the checkpoint's count: a mixed MoE's padding not included)."""
+    """Every weight the model holds (the checkpoint's count: a mixed MoE's layers hold only their own kind)."""
     shapes = param_shapes(cfg)
     # the per-layer `sliding` flag (gpt-oss, Gemma) is the engine's, not a checkpoint weight
     n = sum(_prod(v) for k, v in shapes["layers"].items() if k != "sliding")
     if cfg.moe is not None and cfg.moe.dense_layers:
-        dense, sparse = len(cfg.moe.dense_layers), cfg.num_layers - len(cfg.moe.dense_layers)
-        m, H = cfg.moe, cfg.hidden_size
-        n -= sparse * 3 * H * cfg.intermediate_size + cfg.num_layers  # zeros in sparse layers, the flag
-        n -= dense * H * (3 * (m.num_experts * m.moe_intermediate_size + m.shared_expert_intermediate_size)
-                          + m.num_experts + (1 if m.shared_expert_intermediate_size else 0))
+        n -= cfg.num_layers  # the `sparse` flag: the engine's, not a checkpoint weight
     return n + sum(_prod(v) for k, v in shapes.items() if k != "layers")
 
 

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from jaxserve.models import llama, registry
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.expert_weights import BF16_BITS, EXPERT_STACKS, host_bf16_bits
+from jaxserve.models.layer_kinds import leaf_layers
 from jaxserve.models.llama import Params, param_shapes
 from jaxserve.quantization.hf_linear import LinearReader
 from jaxserve.quantization.mxfp4 import Mxfp4Weight
@@ -74,21 +75,21 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     layers = {}
     tensors = registry.get_family(cfg.architecture).layer_tensors(cfg)
     for leaf, expected in shapes["layers"].items():
+        ids = leaf_layers(cfg, leaf)  # a mixed MoE's dense / expert leaves: their own kind's layers only
         if callable(tensors[leaf]) and linear is not None and getattr(tensors[leaf], "takes_linear", False):
             layers[leaf] = jax.tree.map(jnp.asarray, stack([  # a quantized checkpoint's expert stacks
-                _read_quantized(tensors[leaf], get, i, expected[1:], source, linear) for i in range(cfg.num_layers)]))
+                _read_quantized(tensors[leaf], get, i, expected[1:], source, linear) for i in ids]))
             bar.update(1)
             continue
         if callable(tensors[leaf]):  # a family's reader (experts stacked, a mixed model's zeros)
-            first = _read(tensors[leaf], get, 0, expected[1:], source)
-            bits = (_bits_stack(tensors[leaf], get, first, expected, source) if expert_bits and leaf in EXPERT_STACKS
+            first = _read(tensors[leaf], get, ids[0], expected[1:], source)
+            bits = (_bits_stack(tensors[leaf], get, first, expected, source, ids) if expert_bits and leaf in EXPERT_STACKS
                     and place_leaf is None and isinstance(first, np.ndarray) else None)
             if bits is not None:
                 layers[leaf] = jnp.asarray(bits)
                 bar.update(1)
                 continue
-            per_layer = [first] + [_read(tensors[leaf], get, i, expected[1:], source)
-                                   for i in range(1, cfg.num_layers)]
+            per_layer = [first] + [_read(tensors[leaf], get, i, expected[1:], source) for i in ids[1:]]
             if isinstance(per_layer[0], Mxfp4Weight):  # packed experts (gpt-oss's mxfp4): stay packed
                 layers[leaf] = jax.tree.map(lambda *a: jnp.asarray(np.stack(a)), *per_layer)
                 bar.update(1)
@@ -98,13 +99,12 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
         hf_name, transpose = tensors[leaf]
         if linear is not None and hf_name.endswith("_proj.weight"):
             prefix = hf_name.removesuffix(".weight")
-            per_layer = [linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in range(cfg.num_layers)]
+            per_layer = [linear(f"model.layers.{i}.{prefix}", expected[1:]) for i in ids]
             if per_layer[0] is not None:  # None: the reader keeps this leaf float (a GGUF's other types)
                 layers[leaf] = jax.tree.map(jnp.asarray, stack(per_layer))
                 bar.update(1)
                 continue
-        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:])
-                             for i in range(cfg.num_layers)])
+        stacked = np.stack([fetch(f"model.layers.{i}.{hf_name}", transpose, expected[1:]) for i in ids])
         layers[leaf] = place(stacked, expected, f"model.layers.*.{hf_name}", f"layers/{leaf}")
     if linear is not None:
         layers.update(_kv_scales(get, cfg.num_layers))
@@ -139,15 +139,15 @@ def _read(reader: Callable, get: TensorGetter, layer: int, expected: tuple[int, 
 
 
 def _bits_stack(reader: Callable, get: TensorGetter, first: np.ndarray, expected: tuple[int, ...],
-                source: str) -> np.ndarray | None:
-    """The [L, ...] stack of a leaf's bfloat16 bits, read layer by layer (`first`: layer 0's array),
-    or None where a layer holds values bfloat16 cannot (then it loads as float32)."""
+                source: str, ids: tuple[int, ...]) -> np.ndarray | None:
+    """The [len(ids), ...] stack of a leaf's bfloat16 bits, read layer by layer (`first`: layer ids[0]'s
+    array), or None where a layer holds values bfloat16 cannot (then it loads as float32)."""
     out = np.empty(expected, BF16_BITS)
-    for i in range(expected[0]):
-        b = host_bf16_bits(first if i == 0 else _read(reader, get, i, expected[1:], source))
+    for row, i in enumerate(ids):
+        b = host_bf16_bits(first if row == 0 else _read(reader, get, i, expected[1:], source))
         if b is None:
             return None
-        out[i] = b
+        out[row] = b
     return out
 
 

@@ -31,6 +31,7 @@ from jaxserve.lora.layers import slot_specs
 from jaxserve.lora.peft import module_dims
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.expert_weights import EXPERT_STACKS
+from jaxserve.models.layer_kinds import leaf_rows
 from jaxserve.models.kv_layout import latent_values_per_token
 from jaxserve.models.llama import param_shapes
 from jaxserve.parallel.specs import KV_HEADS_AXIS, MODEL_AXIS, partition_plan
@@ -112,15 +113,17 @@ def stage_weight_bytes(cfg: ModelConfig, width: int, tensor_parallel_size: int =
     for leaf, shape in shapes["layers"].items():
         spec = tuple(plan.specs["layers"][leaf])
         shard = _shard_elems(shape[1:], spec[1:], tp, plan.kv_groups)  # one layer's shard
+        rows = leaf_rows(cfg, leaf, start, end)  # a mixed MoE's dense / expert leaves: their kind's layers
+        stacked = rows[1] - rows[0]
         if scheme and leaf in scheme.leaves:  # [L, in, out] or [L, E, out, in]: the shard's matrices
             rows = _shard_elems(shape[-2:-1], spec[-2:-1], tp, plan.kv_groups)
             cols = _shard_elems(shape[-1:], spec[-1:], tp, plan.kv_groups)
             if leaf in EXPERT_LEAVES:  # input rows, output columns
                 rows, cols = cols, rows
-            total += (end - start) * shard // (rows * cols) * scheme.matrix_bytes(rows, cols)
+            total += stacked * shard // (rows * cols) * scheme.matrix_bytes(rows, cols)
         else:
             leaf_width = expert_width if expert_width and leaf in EXPERT_LEAVES else width
-            total += (end - start) * shard * leaf_width
+            total += stacked * shard * leaf_width
     embed = _shard_elems(shapes["embed"], tuple(plan.specs["embed"]), tp, plan.kv_groups) * width
     if first:
         total += embed
@@ -172,12 +175,12 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, width: int, tensor_par
                        pipeline_parallel_size: int = 1) -> int:
     """K and V bytes of one block over the largest stage's layers, on one device."""
     layers = max(e - s for s, e in stage_layer_ranges(cfg.num_layers, pipeline_parallel_size))
-    return 2 * layers * kv_heads_per_device(cfg, tensor_parallel_size) * block_size * cfg.head_dim * width
-
-
     latent = latent_values_per_token(cfg, layers)  # MLA: one latent entry per token and layer, replicated
     if latent is not None:
         return latent * block_size * width
+    return 2 * layers * kv_heads_per_device(cfg, tensor_parallel_size) * block_size * cfg.head_dim * width
+
+
 def activation_bytes_estimate(cfg: ModelConfig, num_tokens: int, num_rows: int, width: int,
                               tensor_parallel_size: int = 1) -> int:
     """A without-a-GPU estimate of one step's temporary device memory: the live tensors of one layer
