@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from tests.deepseek_fixtures import CHECKPOINTS, COMMON, save_checkpoint
 from tests.logprob_parity import assert_logprobs_close
@@ -159,9 +160,35 @@ def test_unsupported_flags_are_refused_at_start_up(tmp_path):
         with pytest.raises(ValueError, match=f"^{flag}: not supported for DeepseekV3ForCausalLM"):
             LLMEngine(EngineArgs(model=str(tmp_path), **{flag: value}), progress=False)
     cfg = ModelConfig.from_hf(hf)
-    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):  # one CPU device: the family's check alone
-        with pytest.raises(ValueError, match=f"^{flag}: not supported"):
-            registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path), **{flag: 2}))
+    with pytest.raises(ValueError, match="^pipeline_parallel_size: not supported"):  # the family's check alone
+        registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path), pipeline_parallel_size=2))
     with pytest.raises(ValueError, match="^quantization_config: not supported"):
         registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path)), "fp8")
 
+
+@pytest.mark.multidevice
+def test_tensor_parallel_greedy_equals_transformers(tmp_path):
+    """TP 2 (2 fake CPU devices, tests/moe_worker.py): the heads of q, W_UK, W_UV and wo split, the
+    latent pool replicated (its sizing and `jaxserve plan` say so), the experts split by expert
+    (--enable-expert-parallel): transformers' tokens and logprobs, as on one device."""
+    import json
+
+    from jaxserve.models.config import ModelConfig
+    from jaxserve.parallel.specs import partition_plan
+    from jaxserve.plan.estimate import Setting, estimate
+    from tests.worker_run import run_json_worker
+
+    path = save_checkpoint("v3", tmp_path / "v3")
+    cfg = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+    plan = partition_plan(cfg, 2)
+    assert plan.kv_cache == P() and plan.notes["kv_cache"].startswith("replicated: the latent pool")
+    assert plan.specs["layers"]["w_uk"] == P(None, "model", None, None)
+    one, two = (estimate(Setting(cfg, None, tensor_parallel_size=tp, kv_cache_memory=1 << 20)) for tp in (1, 2))
+    assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] == (32 + 8) * 3 * 2  # not divided by TP
+    assert two["kv_pool"] == "latent, 40 values per token per layer, replicated on each of the 2 TP devices"
+    reference, ref_logprobs = hf_reference(path, PROMPTS[:2])
+    options = json.dumps({"settings": {"v3": [[2, 1, True]]}, "prompts": PROMPTS[:2],
+                          "engine": {"enforce_eager": True}})
+    r = run_json_worker("moe_worker", "--options", options, str(path), devices=2)["v3/tp2/pp1/ep"]
+    assert r["tokens"] == reference
+    assert_logprobs_close(r["logprobs"], ref_logprobs, what="v3 tp2 ep")

@@ -17,7 +17,8 @@ experts, width n_shared_experts * moe_intermediate_size); w_gate/w_up/w_down and
 layers are dense (each kind's leaves stacked over its own layers only: models/layer_kinds.py). A checkpoint's
 multi-token-prediction layer (V3's model.layers.61) is past num_hidden_layers and is not read.
 
-Not served yet (refused at start-up, naming the flag): tensor / pipeline parallelism, LoRA,
+Tensor parallelism splits the heads (partition_rules) and replicates the latent pool.
+Not served yet (refused at start-up, naming the flag): pipeline parallelism, LoRA,
 --attention-backend pallas (no MLA kernel yet: auto takes the XLA path on GPUs too), --quantization,
 quantized (block-wise FP8) checkpoints.
 """
@@ -30,6 +31,7 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxserve.models import mla, registry
 from jaxserve.models.attention import AttentionMetadata
@@ -39,7 +41,7 @@ from jaxserve.models.expert_weights import EXPERT_STACKS, LAYER_VIEWS, LayerStac
 from jaxserve.models.llama import MLP_TENSORS, dense_mlp, mlp_shapes, rms_norm
 from jaxserve.models.moe import Experts, Router, moe
 from jaxserve.models.layer_kinds import KIND_INDEX, mixed_ffn, split_scanned, stack_shapes
-from jaxserve.models.moe_layers import expert_readers, mixed_layer_tensors, moe_partition_rules
+from jaxserve.models.moe_layers import MODEL_AXIS, expert_readers, mixed_layer_tensors, moe_partition_rules
 
 log = logging.getLogger(__name__)
 V3 = "DeepseekV3ForCausalLM"
@@ -213,15 +215,21 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
 
 
 def partition_rules(cfg: ModelConfig, tp: int) -> dict:
-    """The MoE leaves' rules (tensor parallelism is refused for this family at start-up for now)."""
-    return moe_partition_rules(cfg, tp)
+    """Tensor parallelism as vLLM's and sglang's: the heads of q (wq / wq_b columns), W_UK, W_UV and
+    wo (rows: one all-reduce) split over the devices; the down-projections (wq_a, wkv_a) and their
+    norms replicated, as the latent pool is (parallel/specs.py); the experts as every MoE family's."""
+    ok = cfg.num_heads % tp == 0
+    why = f"num_heads {cfg.num_heads} not divisible by tensor parallel size {tp}"
+    heads = P(None, MODEL_AXIS, None, None)
+    return {**moe_partition_rules(cfg, tp), "wq": (ok, P(None, None, MODEL_AXIS), why),
+            "wq_b": (ok, P(None, None, MODEL_AXIS), why), "w_uk": (ok, heads, why), "w_uv": (ok, heads, why),
+            "wo": (ok, P(None, MODEL_AXIS, None), why), "e_bias": (True, P(), "")}
 
 
 def refuse_flags(cfg: ModelConfig, args, checkpoint_quantization: str | None) -> None:
     """ValueError naming what this family cannot serve yet, before any weight is read."""
     arch = cfg.architecture
     for flag, bad, why in (
-            ("tensor_parallel_size", args.tensor_parallel_size > 1, "latent attention runs on one device for now"),
             ("pipeline_parallel_size", args.pipeline_parallel_size > 1, "latent attention runs on one device for now"),
             ("attention_backend", args.attention_backend == "pallas",
              "there is no Pallas MLA kernel yet; auto or xla take the XLA path"),

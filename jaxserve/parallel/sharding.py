@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxserve.models.config import ModelConfig
+from jaxserve.models.kv_layout import pool_shapes
 from jaxserve.models.llama import Params
 from jaxserve.parallel.mesh import MODEL_AXIS, tensor_parallel_size
 from jaxserve.quantization.qweight import is_quantized
@@ -78,10 +79,10 @@ def make_sharded_kv_cache(mesh: Mesh, cfg: ModelConfig, num_blocks: int, block_s
                           dtype: jnp.dtype, num_layers: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The zeroed pool (like attention.make_kv_cache), created directly in its shards; num_layers: the
     pool's layer axis when not the model's (KV groups of k layers, worker/kv_groups.py)."""
-    shape = (num_layers or cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    sharding = kv_cache_sharding(mesh, cfg)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return zeros(), zeros()
+    sharding = kv_cache_sharding(mesh, cfg)  # MLA's latent pool: replicated (parallel/specs.py)
+    zeros = jax.jit(lambda shape: jnp.zeros(shape, dtype), static_argnums=0, out_shardings=sharding)
+    k, v = (zeros(shape) for shape in pool_shapes(cfg, num_blocks, block_size, num_layers or cfg.num_layers))
+    return k, v
 
 
 def place_fn(mesh: Mesh, cfg: ModelConfig) -> PlaceFn:

@@ -119,6 +119,9 @@ def partition_plan(cfg: ModelConfig, tensor_parallel_size: int) -> PartitionPlan
         notes["kv_cache"] = group
     elif not kv_ok:
         notes["kv_cache"] = f"replicated: {why_kv}"
+    if cfg.mla is not None:  # one latent per token shared by all heads: every device holds it (vLLM, sglang)
+        kv_spec, kv_groups = REPLICATED, 0
+        notes["kv_cache"] = "replicated: the latent pool (multi-head latent attention) is shared by all heads"
     return PartitionPlan(specs, kv_spec, notes, kv_groups)
 
 

@@ -132,6 +132,7 @@ def render(r: dict) -> str:
              f"{r['max_model_len']} tokens)",
              *([f"  KV groups           {r['kv_groups']} (sliding layers hold their window only)"]
                if r.get("kv_groups") else []),
+             *([f"  KV pool             {r['kv_pool']}"] if r.get("kv_pool") else []),
              f"  sequences at full context: {r['max_concurrent_seqs']} (running at once: {r['running_seqs']}, "
              f"max_num_seqs {r['max_num_seqs']})"]
     if "decode_tokens_per_s_batch1" in r:

@@ -84,13 +84,23 @@ def estimate(s: Setting) -> dict:
                quantization=s.quantization, max_model_len=s.max_model_len, block_size=s.block_size,
                stages=sizing.stage_layer_ranges(cfg.num_layers, pp),
                total_params=total_params(cfg), active_params_per_token=active_params(cfg),
-               kv_groups=layout.describe().removeprefix("; ") if layout is not None else None)
+               kv_groups=layout.describe().removeprefix("; ") if layout is not None else None,
+               kv_pool=_latent_pool(cfg, tp))
     if s.gpu is not None:
         out["decode_tokens_per_s_batch1"] = _tokens_per_s(s, weights, out["kv_bytes_per_token"], 1)
         out[f"decode_tokens_per_s_batch{out['running_seqs']}"] = \
             _tokens_per_s(s, weights, out["kv_bytes_per_token"], max(1, out["running_seqs"]))
         out["decode_tokens_per_s_at_max_concurrency"] = out[f"decode_tokens_per_s_batch{out['running_seqs']}"]
     return out
+
+
+def _latent_pool(cfg: ModelConfig, tp: int) -> str | None:
+    """MLA's pool, described: one latent per token and layer, the same on every TP device (vLLM, sglang)."""
+    if cfg.mla is None:
+        return None
+    width = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    return f"latent, {width} values per token per layer" + (f", replicated on each of the {tp} TP devices"
+                                                             if tp > 1 else "")
 
 
 def matmul_params(cfg: ModelConfig) -> int:
