@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxserve.core.hybrid_kv_cache_manager import NULL_BLOCK, HybridKVCacheManager, KVGroup, kv_groups
+from tests.kv_machine_rules import FreeAndSwapRules
 from jaxserve.core.scheduler import ModelOutput, SampledToken, SchedulerConfig, SchedulerOutput
 from tests import scheduler_helpers
 
@@ -24,7 +25,7 @@ NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS, WINDOW = 24, 4, 16, 5
 GROUPS = kv_groups(3, (0, 2), WINDOW)  # one full group (layer 1), two sliding ones
 
 
-class HybridKVMachine(RuleBasedStateMachine):
+class HybridKVMachine(FreeAndSwapRules, RuleBasedStateMachine):  # free/swap rules: tests/kv_machine_rules.py
     def __init__(self) -> None:
         super().__init__()
         self.kv = HybridKVCacheManager(GROUPS, NUM_BLOCKS, BLOCK_SIZE, enable_caching=True,
@@ -86,34 +87,6 @@ class HybridKVMachine(RuleBasedStateMachine):
         if not self._write(child, n - 1, 2):  # as the scheduler would preempt it: recompute from scratch
             self.kv.forget(child)  # (a child never computed is never forked again: chained forks that
             del self.tokens[child], self.computed[child]  # each step back a token outrun LAG)
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.kv.forget(rid)
-        del self.tokens[rid], self.computed[rid]
-        self.swapped.discard(rid)
-
-    @precondition(lambda self: self._on_device())
-    @rule(data=st.data())
-    def swap_out(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(self._on_device()))
-        pairs = self.kv.swap_out(rid)
-        if pairs is not None:
-            for d, c in pairs:
-                self.cpu[c] = list(self.dev[d])
-            self.swapped.add(rid)
-
-    @precondition(lambda self: self.swapped)
-    @rule(data=st.data())
-    def swap_in(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.swapped)))
-        pairs = self.kv.swap_in(rid, self.computed[rid], 1)
-        if pairs is not None:
-            for c, d in pairs:
-                self.dev[d] = list(self.cpu[c])
-            self.swapped.discard(rid)
 
     @invariant()
     def refcounts_match_tables(self) -> None:

@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from jaxserve.core.kv_cache_manager import KVCacheManager
+from tests.kv_machine_rules import FreeAndSwapRules
 
 NUM_BLOCKS, BLOCK_SIZE, NUM_CPU_BLOCKS = 12, 4, 8
 
 
-class KVCacheMachine(RuleBasedStateMachine):
+class KVCacheMachine(FreeAndSwapRules, RuleBasedStateMachine):  # free/swap rules: tests/kv_machine_rules.py
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, BLOCK_SIZE, enable_caching=True,
@@ -83,34 +84,6 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens[child] = self.tokens[parent][:n] + [diverge]
         self.computed[child] = n - 1
         self._write(child, n - 1, 2)
-
-    @precondition(lambda self: self.tokens)
-    @rule(data=st.data())
-    def free(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.tokens)))
-        self.kv.forget(rid)
-        del self.tokens[rid], self.computed[rid]
-        self.swapped.discard(rid)
-
-    @precondition(lambda self: self._on_device())
-    @rule(data=st.data())
-    def swap_out(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(self._on_device()))
-        pairs = self.kv.swap_out(rid)
-        if pairs is not None:
-            for d, c in pairs:
-                self.cpu[c] = list(self.dev[d])
-            self.swapped.add(rid)
-
-    @precondition(lambda self: self.swapped)
-    @rule(data=st.data())
-    def swap_in(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.swapped)))
-        pairs = self.kv.swap_in(rid, self.computed[rid], 1)
-        if pairs is not None:
-            for c, d in pairs:
-                self.dev[d] = list(self.cpu[c])
-            self.swapped.discard(rid)
 
     # -- invariants ---------------------------------------------------------------
     @invariant()
