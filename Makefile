@@ -28,13 +28,9 @@ setup: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/jaxserve serve
 
-# Two workers, one test file each at a time (--dist loadfile keeps a file's module-scoped engines in
-# one process): a single pytest process keeps only one of CI's two cores busy.
-XDIST := -n 2 --dist loadfile
-
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) tests
+	$(PY) -m pytest -q tests
 
 # the loop's suite: everything but the multi-device / multi-process parity tests (about half the time)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "not multidevice" tests
+	$(PY) -m pytest -q -m "not multidevice" tests
