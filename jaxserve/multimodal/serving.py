@@ -14,18 +14,18 @@ Every failure is a ValueError naming the part (a 400); the server goes on servin
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 from jaxserve.multimodal.chat import chat_images, has_media
 from jaxserve.multimodal.processor import image_processor_of
 
 
-async def chat_images_async(engine: Any, req: Any) -> tuple[list[dict] | None, list[Any]]:
+async def chat_images_async(engine: Any, req: Any,
+                            conversation: Callable[..., list[dict]]) -> tuple[list[dict] | None, list[Any]]:
+    """`conversation`: serving_chat's, passed down (a front end's function: this layer does not import it)."""
     processor = image_processor_of(engine)
     if processor is None:
         return None, []
-    from jaxserve.entrypoints.openai.serving_chat import conversation
-
     conv = conversation(req.messages, keep_parts=True)
     if not has_media(conv):  # text parts only: nothing to read
         return conv, []

@@ -253,9 +253,10 @@ def permuted_heads(cfg: ModelConfig, arch: str, name: str, rows: int) -> int | N
 
 
 def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool = True,
-              place_leaf: PlaceFn | None = None, packed: bool = False) -> Params:
-    """The params; `packed` (--quantization gguf): quantized projections and LM head stay as their
-    blocks (quantization/gguf_packed.py), the rest is dequantized as without it."""
+              place_leaf: PlaceFn | None = None, linear=None) -> Params:
+    """The params; `linear` (--quantization gguf: weights/gguf_linear.packed_reader's reader, made by the
+    caller): quantized projections and LM head stay as their blocks (quantization/gguf_packed.py), the
+    rest is dequantized as without it."""
     from gguf.quants import dequantize
 
     cfg, arch, tensors = header.config, header.architecture, header.tensors
@@ -275,7 +276,4 @@ def load_gguf(header: GGUFHeader, path: Path, dtype: jnp.dtype, progress: bool =
             w = _unpermute(w, heads)
         return gguf_gemma.from_gguf(arch, name, w)  # Gemma's norms: 1 + w back to w
 
-    from jaxserve.weights.gguf_linear import packed_reader  # it reads this module's names
-
-    linear = packed_reader(header, path, dtype) if packed else None
     return assemble_params(cfg, get, dtype, str(path), progress, place_leaf, linear)

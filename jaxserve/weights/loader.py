@@ -19,7 +19,7 @@ from transformers import PreTrainedTokenizerBase
 from jaxserve.models.config import ModelConfig, with_expert_parallel
 from jaxserve.models.llama import Params
 from jaxserve.parallel import place_fn, shard_params
-from jaxserve.weights import gguf_file
+from jaxserve.weights import gguf_file, gguf_linear
 from jaxserve.weights.checkpoint import load_checkpoint_params
 from jaxserve.weights.gguf_tokenizer import load_gguf_tokenizer
 from jaxserve.weights.safetensors_dir import load_safetensors_dir
@@ -74,7 +74,8 @@ def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", pr
     if source.format == "gguf":
         header, reader = source.gguf_header
         packed = quantization == "gguf"
-        params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg), packed=packed)
+        linear = gguf_linear.packed_reader(header, path, jdtype) if packed else None
+        params = gguf_file.load_gguf(header, path, jdtype, progress, _placer(mesh, cfg), linear)
         return LoadedModel(cfg, params, load_gguf_tokenizer(reader, path), name, path, "gguf" if packed else None)
     if source.format == "checkpoint":
         params = load_checkpoint_params(path, jdtype)

@@ -138,7 +138,7 @@ class ServingChat(BaseServing):
     async def create(self, req: ChatCompletionRequest, request: Request) -> Response:
         lora = self._check(req)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        conv, images = await chat_images_async(self.engine, req)  # a vision-language model's image parts
+        conv, images = await chat_images_async(self.engine, req, conversation)  # a vision-language model's image parts
         prompt_ids = self.render(req.messages, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message, template=req.chat_template,
                                  kwargs=req.chat_template_kwargs, tools=tools, conv=conv)
