@@ -18,6 +18,7 @@ from jaxserve.constants import BLOCK_SIZES
 from jaxserve.plan.estimate import Setting, estimate, flags, setting_dict, smallest_parallel, smallest_quantization
 from jaxserve.plan.gpus import GPUS, find_gpu
 from jaxserve.plan.source import bundled_ids, read_model
+from jaxserve.plan.vision import max_image_patches, render_lines as vision_lines
 from jaxserve.worker import sizing
 
 QUANTIZATIONS = tuple(sizing.QUANT_SCHEMES)
@@ -86,7 +87,8 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
                       max_len, args.gpu_memory_utilization, args.max_num_seqs, tokens,
                       args.block_size or sizing.default_block_size(gpu is None),
                       args.kv_cache_memory, args.max_loras if args.enable_lora else 0, args.max_lora_rank,
-                      2 if bf16_experts else None)
+                      2 if bf16_experts else None,
+                      max_image_patches(src.path, cfg.vision) if cfg.vision is not None else None)
     return setting, src.where
 
 
@@ -97,7 +99,7 @@ def plan(args: argparse.Namespace) -> dict:
               **estimate(setting)}
     result["flags"] = flags(setting)
     result["fp8_weight_only"] = setting.gpu is not None and setting.gpu.fp8_flops is None
-    if not result["fits"]:
+    if not result["fits"] and setting.cfg.vision is None:  # a VL model is served on one device, unquantized
         for key, found in (("suggest_parallel", smallest_parallel(setting)),
                            ("suggest_quantization", smallest_quantization(setting))):
             if found is not None:
@@ -124,6 +126,7 @@ def render(r: dict) -> str:
              f"  activation reserve  {_gb(r['activation_bytes'])}",
              *([f"  LoRA slots          {_gb(r['lora_bytes'])}  ({r['max_loras']} x rank {r['max_lora_rank']})"]
                if r["lora_bytes"] else []),
+             *vision_lines(r),
              f"  allowed ({r['gpu_memory_utilization']})    {_gb(r['memory_allowed_bytes'])}",
              f"  KV budget           {_gb(r['kv_budget_bytes'])}",
              f"  KV per token        {r['kv_bytes_per_token']} bytes  ({r['kv_bytes_per_block']} per block of "
@@ -147,6 +150,10 @@ def render(r: dict) -> str:
     else:
         lines.append("verdict: DOES NOT FIT" + (" (the weights and activations alone exceed the allowed memory)"
                                                 if r["kv_budget_bytes"] == 0 else " (no room for one full sequence)"))
+        if (r.get("vision_activation_bytes") or 0) > (r["memory_allowed_bytes"] or 0) > 0:
+            lines.append("  the vision tower's largest program alone exceeds the allowed memory: the encoder budget "
+                         "is the larger of --max-num-batched-tokens x 4 patches and the processor's largest image "
+                         "(max_pixels in preprocessor_config.json); lowering it shrinks the program")
         for key, what in (("suggest_parallel", "smallest TP/PP"), ("suggest_quantization", "or quantize")):
             if key in r:
                 s = r[key]

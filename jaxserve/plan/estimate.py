@@ -6,6 +6,8 @@
     KV               sizing.kv_bytes_per_block (with sliding-window KV groups, worker/kv_groups.py: a block
                      of k layers, a sequence holding its sliding groups' windows only); blocks = (memory x utilization - weights - LoRA - activations)
                      // per block (on `cpu`: --kv-cache-memory // per block, as the engine there)
+    vision           a vision-language model's tower weights, its largest program's activations and the
+                     host-side encoder cache (jaxserve/plan/vision.py)
     fits             at least one sequence of max_model_len fits in the pool
     roofline         decode is memory-bound: a step reads this device's weights and the batch's KV,
                      at max(bytes / bandwidth, FLOPs / peak); stages run one after another for one
@@ -19,6 +21,7 @@ from dataclasses import asdict, dataclass, replace
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import param_shapes
 from jaxserve.plan.gpus import Gpu
+from jaxserve.plan.vision import vision_figures
 from jaxserve.worker import sizing
 from jaxserve.worker.kv_groups import kv_layout
 from jaxserve.worker.kv_sizing import DEFAULT_CPU_KV_BYTES
@@ -46,6 +49,7 @@ class Setting:
     max_loras: int = 0  # LoRA slots (0: --enable-lora off)
     max_lora_rank: int = 16
     expert_dtype_bytes: int | None = None  # MoE experts' width where not dtype_bytes (the CPU default's bfloat16: 2)
+    max_image_patches: int | None = None  # a VL model: the processor's largest image (preprocessor_config.json)
 
     @property
     def num_devices(self) -> int:
@@ -63,6 +67,8 @@ def estimate(s: Setting) -> dict:
     if layout is not None:  # sliding-window KV groups (worker/kv_groups.py): blocks of k layers, and a
         per_block = layout.bytes_per_block(per_block, cfg.num_layers)  # sequence holds its sliding
         per_seq = layout.blocks_held(s.max_model_len, s.block_size)  # groups' windows only
+    vision = {} if cfg.vision is None else vision_figures(cfg.vision, s.dtype_bytes, s.max_num_batched_tokens,
+                                                          s.max_image_patches)
     if s.gpu is None:
         activations, budget = 0, s.kv_cache_memory or DEFAULT_CPU_KV_BYTES
         allowed = None
@@ -70,7 +76,9 @@ def estimate(s: Setting) -> dict:
         activations = sizing.activation_bytes_estimate(cfg, s.max_num_batched_tokens, s.max_num_seqs,
                                                        s.dtype_bytes, tp)
         allowed = int(s.gpu.memory_bytes * s.gpu_memory_utilization)
-        budget = allowed - weights - lora - activations
+        # the tower and the language model run as separate programs: the larger reserve of the two
+        budget = (allowed - weights - vision.get("vision_weights_bytes", 0) - lora
+                  - max(activations, vision.get("vision_activation_bytes", 0)))
     blocks = max(0, budget // per_block)
     concurrent = blocks // per_seq
     # the engine's smallest pool: a lone request at its longest (with groups, every table whole)
@@ -83,7 +91,8 @@ def estimate(s: Setting) -> dict:
                tensor_parallel_size=tp, pipeline_parallel_size=pp, num_devices=s.num_devices,
                quantization=s.quantization, max_model_len=s.max_model_len, block_size=s.block_size,
                stages=sizing.stage_layer_ranges(cfg.num_layers, pp),
-               total_params=total_params(cfg), active_params_per_token=active_params(cfg),
+               total_params=total_params(cfg) + vision.get("vision_params", 0),
+               active_params_per_token=active_params(cfg), **vision,
                kv_groups=layout.describe().removeprefix("; ") if layout is not None else None,
                kv_pool=_latent_pool(cfg, tp))
     if s.gpu is not None:
