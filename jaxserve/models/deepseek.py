@@ -18,9 +18,10 @@ layers are dense (each kind's leaves stacked over its own layers only: models/la
 multi-token-prediction layer (V3's model.layers.61) is past num_hidden_layers and is not read.
 
 Tensor parallelism splits the heads (partition_rules) and replicates the latent pool.
+Block-wise FP8 checkpoints (V3 / R1 as the hub ships them) load: models/deepseek_weights.py.
 Not served yet (refused at start-up, naming the flag): pipeline parallelism, LoRA,
 --attention-backend pallas (no MLA kernel yet: auto takes the XLA path on GPUs too), --quantization,
-quantized (block-wise FP8) checkpoints.
+checkpoints quantized otherwise than block-wise FP8.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from typing import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxserve.models import mla, registry
 from jaxserve.models.attention import AttentionMetadata
 from jaxserve.models.config import MlaConfig, ModelConfig, MoeConfig, _yarn_mscale
 from jaxserve.models.deepseek_router import GroupedTopK
+from jaxserve.models.deepseek_weights import kv_a_reader, kv_b_reader
 from jaxserve.models.expert_weights import EXPERT_STACKS, LAYER_VIEWS, LayerStack
 from jaxserve.models.llama import MLP_TENSORS, dense_mlp, mlp_shapes, rms_norm
 from jaxserve.models.moe import Experts, Router, moe
@@ -137,9 +138,8 @@ def layer_tensors(cfg: ModelConfig) -> dict:
     attn = {"attn_norm": ("input_layernorm.weight", False), "mlp_norm": ("post_attention_layernorm.weight", False),
             "wq": ("self_attn.q_proj.weight", True), "wq_a": ("self_attn.q_a_proj.weight", True),
             "q_a_norm": ("self_attn.q_a_layernorm.weight", False), "wq_b": ("self_attn.q_b_proj.weight", True),
-            "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", True),
-            "kv_a_norm": ("self_attn.kv_a_layernorm.weight", False),
-            "w_uk": _kv_b(cfg, 0), "w_uv": _kv_b(cfg, 1), "wo": ("self_attn.o_proj.weight", True)}
+            "wkv_a": kv_a_reader(cfg), "kv_a_norm": ("self_attn.kv_a_layernorm.weight", False),
+            "w_uk": kv_b_reader(cfg, 0), "w_uv": kv_b_reader(cfg, 1), "wo": ("self_attn.o_proj.weight", True)}
     tensors = {**attn, **expert_readers(cfg, ("mlp",), EXPERT_NAMES)}
     if cfg.moe.router == "noaux_tc":
         tensors["e_bias"] = ("mlp.gate.e_score_correction_bias", False)
@@ -150,17 +150,6 @@ def layer_tensors(cfg: ModelConfig) -> dict:
     if cfg.moe.dense_layers:
         tensors.update(MLP_TENSORS)
     return mixed_layer_tensors(cfg, tensors)
-
-
-def _kv_b(cfg: ModelConfig, which: int):
-    """kv_b_proj.weight [H * (nope + v), R] -> W_UK [H, nope, R] (which 0) or W_UV [H, v, R] (1)."""
-    m = mla.mla(cfg)
-
-    def read(get, prefix: str) -> np.ndarray:
-        w = np.asarray(get(prefix + "self_attn.kv_b_proj.weight"))
-        w = w.reshape(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
-        return w[:, :m.qk_nope_head_dim] if which == 0 else w[:, m.qk_nope_head_dim:]
-    return read
 
 
 def ffn(cfg: ModelConfig, lp: dict, x: jax.Array, dots=None, backend: str = "xla",
@@ -233,9 +222,11 @@ def refuse_flags(cfg: ModelConfig, args, checkpoint_quantization: str | None) ->
             ("pipeline_parallel_size", args.pipeline_parallel_size > 1, "latent attention runs on one device for now"),
             ("attention_backend", args.attention_backend == "pallas",
              "there is no Pallas MLA kernel yet; auto or xla take the XLA path"),
-            ("quantization", bool(args.quantization), "its projections are not quantized on load yet"),
-            ("quantization_config", bool(checkpoint_quantization),
-             f"{checkpoint_quantization} checkpoints (block-wise FP8 as the hub ships V3) do not load yet")):
+            ("quantization", bool(args.quantization) and args.quantization != checkpoint_quantization,
+             "its projections are not quantized on load yet"),
+            ("quantization_config", checkpoint_quantization not in (None, "fp8"),
+             f"{checkpoint_quantization} checkpoints do not load; block-wise fp8 (weight_block_size, as the hub "
+             "ships V3) does")):
         if bad:
             raise ValueError(f"{flag}: not supported for {arch}: {why}")
 

@@ -77,8 +77,11 @@ def assemble_params(cfg: ModelConfig, get: TensorGetter, dtype: jnp.dtype, sourc
     for leaf, expected in shapes["layers"].items():
         ids = leaf_layers(cfg, leaf)  # a mixed MoE's dense / expert leaves: their own kind's layers only
         if callable(tensors[leaf]) and linear is not None and getattr(tensors[leaf], "takes_linear", False):
-            layers[leaf] = jax.tree.map(jnp.asarray, stack([  # a quantized checkpoint's expert stacks
-                _read_quantized(tensors[leaf], get, i, expected[1:], source, linear) for i in ids]))
+            per_layer = [_read_quantized(tensors[leaf], get, i, expected[1:], source, linear) for i in ids]
+            if isinstance(per_layer[0], np.ndarray):  # float (DeepSeek's kv_b_proj as W_UK / W_UV): the model dtype
+                layers[leaf] = place(np.stack(per_layer), expected, f"model.layers.*.{leaf}", f"layers/{leaf}")
+                continue
+            layers[leaf] = jax.tree.map(jnp.asarray, stack(per_layer))  # a quantized checkpoint's expert stacks
             bar.update(1)
             continue
         if callable(tensors[leaf]):  # a family's reader (experts stacked, a mixed model's zeros)
