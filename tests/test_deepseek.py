@@ -160,17 +160,18 @@ def test_unsupported_flags_are_refused_at_start_up(tmp_path):
         with pytest.raises(ValueError, match=f"^{flag}: not supported for DeepseekV3ForCausalLM"):
             LLMEngine(EngineArgs(model=str(tmp_path), **{flag: value}), progress=False)
     cfg = ModelConfig.from_hf(hf)
-    with pytest.raises(ValueError, match="^pipeline_parallel_size: not supported"):  # the family's check alone
-        registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path), pipeline_parallel_size=2))
+    registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path), pipeline_parallel_size=2))  # served (TP test below)
     with pytest.raises(ValueError, match="^quantization_config: not supported"):
         registry.refuse_flags(cfg, EngineArgs(model=str(tmp_path)), "gptq")  # fp8: test_deepseek_fp8.py
 
 
 @pytest.mark.multidevice
-def test_tensor_parallel_greedy_equals_transformers(tmp_path):
+def test_tensor_and_pipeline_parallel_greedy_equals_transformers(tmp_path):
     """TP 2 (2 fake CPU devices, tests/moe_worker.py): the heads of q, W_UK, W_UV and wo split, the
     latent pool replicated (its sizing and `jaxserve plan` say so), the experts split by expert
-    (--enable-expert-parallel): transformers' tokens and logprobs, as on one device."""
+    (--enable-expert-parallel); PP 2 (the same worker): layer 0 (dense) and its latent pool on one
+    device, layers 1-2 (MoE) on the other, run by deepseek.run_layers per stage: transformers' tokens
+    and logprobs, as on one device."""
     import json
 
     from jaxserve.models.config import ModelConfig
@@ -187,8 +188,9 @@ def test_tensor_parallel_greedy_equals_transformers(tmp_path):
     assert two["kv_bytes_per_token"] == one["kv_bytes_per_token"] == (32 + 8) * 3 * 2  # not divided by TP
     assert two["kv_pool"] == "latent, 40 values per token per layer, replicated on each of the 2 TP devices"
     reference, ref_logprobs = hf_reference(path, PROMPTS[:2])
-    options = json.dumps({"settings": {"v3": [[2, 1, True]]}, "prompts": PROMPTS[:2],
+    options = json.dumps({"settings": {"v3": [[2, 1, True], [1, 2, False]]}, "prompts": PROMPTS[:2],
                           "engine": {"enforce_eager": True}})
-    r = run_json_worker("moe_worker", "--options", options, str(path), devices=2)["v3/tp2/pp1/ep"]
-    assert r["tokens"] == reference
-    assert_logprobs_close(r["logprobs"], ref_logprobs, what="v3 tp2 ep")
+    results = run_json_worker("moe_worker", "--options", options, str(path), devices=2)
+    for setting in ("v3/tp2/pp1/ep", "v3/tp1/pp2"):
+        assert results[setting]["tokens"] == reference, setting
+        assert_logprobs_close(results[setting]["logprobs"], ref_logprobs, what=setting)

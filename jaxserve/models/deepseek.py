@@ -17,9 +17,10 @@ experts, width n_shared_experts * moe_intermediate_size); w_gate/w_up/w_down and
 layers are dense (each kind's leaves stacked over its own layers only: models/layer_kinds.py). A checkpoint's
 multi-token-prediction layer (V3's model.layers.61) is past num_hidden_layers and is not read.
 
-Tensor parallelism splits the heads (partition_rules) and replicates the latent pool.
+Tensor parallelism splits the heads (partition_rules) and replicates the latent pool; pipeline
+parallelism gives each stage its layers' slice of it (run_layers, as every family's stages).
 Block-wise FP8 checkpoints (V3 / R1 as the hub ships them) load: models/deepseek_weights.py.
-Not served yet (refused at start-up, naming the flag): pipeline parallelism, LoRA,
+Not served yet (refused at start-up, naming the flag): LoRA,
 --attention-backend pallas (no MLA kernel yet: auto takes the XLA path on GPUs too), --quantization,
 checkpoints quantized otherwise than block-wise FP8.
 """
@@ -172,12 +173,22 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
             positions: jax.Array, md: AttentionMetadata, backend: str = "xla", bf16_dots_from: int = 0,
             lora_slots: jax.Array | None = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     """llama.forward for DeepSeek: one ragged batch through the decoder -> (new pool, final-normed
-    hidden). kv_cache: the latent pool (models/kv_layout.py). The expert stacks stay whole, read
-    per layer (expert_weights.LayerStack), as llama.run_layers hands them over."""
-    layers = params["layers"]
-    if "lora_owner" in params or any(k.startswith("lora_") for k in layers):
+    hidden). kv_cache: the latent pool (models/kv_layout.py)."""
+    if "lora_owner" in params or any(k.startswith("lora_") for k in params["layers"]):
         raise ValueError(f"enable_lora: LoRA adapters are not supported for {cfg.architecture}")
-    h = params["embed"][token_ids]
+    kv_cache, h = run_layers(params["layers"], cfg, kv_cache, params["embed"][token_ids], positions, md, backend,
+                             bf16_dots_from)
+    return kv_cache, rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array], h: jax.Array,
+               positions: jax.Array, md: AttentionMetadata, backend: str = "xla", bf16_dots_from: int = 0,
+               lora_step: object = None) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    """The residual stream h [T, hidden] through the stacked `layers` and their latent pool (llama.run_layers'
+    signature: a pipeline stage calls it with its own slice of both, layer_kinds.stage_config's cfg).
+    The expert stacks stay whole, read per layer (expert_weights.LayerStack), as llama.run_layers'."""
+    if lora_step is not None:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported for {cfg.architecture}")
     dots = jnp.bfloat16 if bf16_dots_from and h.shape[0] >= bf16_dots_from else None
     inv_freq = jnp.asarray(mla.rope_frequencies(cfg), jnp.float32)
     lazy = {k: layers[k] for k in EXPERT_STACKS if k in layers}
@@ -200,7 +211,7 @@ def forward(params: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Array
     layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     rows = layer_ids if kind_index is None else kind_index
     (h, pool, empty), _ = jax.lax.scan(layer_body, (h, *kv_cache), (layers, layer_ids, rows))
-    return (pool, empty), rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return (pool, empty), h
 
 
 def partition_rules(cfg: ModelConfig, tp: int) -> dict:
@@ -219,7 +230,6 @@ def refuse_flags(cfg: ModelConfig, args, checkpoint_quantization: str | None) ->
     """ValueError naming what this family cannot serve yet, before any weight is read."""
     arch = cfg.architecture
     for flag, bad, why in (
-            ("pipeline_parallel_size", args.pipeline_parallel_size > 1, "latent attention runs on one device for now"),
             ("attention_backend", args.attention_backend == "pallas",
              "there is no Pallas MLA kernel yet; auto or xla take the XLA path"),
             ("quantization", bool(args.quantization) and args.quantization != checkpoint_quantization,
@@ -232,4 +242,5 @@ def refuse_flags(cfg: ModelConfig, args, checkpoint_quantization: str | None) ->
 
 
 FAMILY = registry.ModelFamily(config_fields=config_fields, param_shapes=param_shapes, layer_tensors=layer_tensors,
-                              ffn=ffn, partition_rules=partition_rules, forward=forward, refuse_flags=refuse_flags)
+                              ffn=ffn, partition_rules=partition_rules, forward=forward, refuse_flags=refuse_flags,
+                              run_layers=run_layers)

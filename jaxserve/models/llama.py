@@ -179,7 +179,10 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
     bf16_dots_from > 0: a batch of that many tokens or more takes its float projections as
     bfloat16 x bfloat16 dots accumulated in float32 (the CPU's `--dtype auto`, engine/config.py);
     the weights stay as stored, and norms, attention and the residual stay in their own dtype."""
-    if registry.get_family(cfg.architecture).forward is not None:  # reached by pipeline stages only
+    family = registry.get_family(cfg.architecture)
+    if family.run_layers is not None:  # a family with its own layer body (DeepSeek), reached by pipeline stages
+        return family.run_layers(layers, cfg, kv_cache, h, positions, md, backend, bf16_dots_from, lora_step)
+    if family.forward is not None:  # reached by pipeline stages only
         raise ValueError(f"pipeline_parallel_size: {cfg.architecture} runs its own layer body "
                          "(models/gemma.py); pipeline parallelism is not supported for it")
     inv_freq = jnp.asarray(inv_frequencies(cfg), jnp.float32)

@@ -67,6 +67,9 @@ class ModelFamily:
     # a family whose layer differs beyond its feed-forward block (Gemma: post-norms, scaled embeddings)
     # runs its own decoder, with llama.forward's signature; None: llama.forward's layer scan
     forward: Callable | None = None
+    # such a family's layer scan alone, with llama.run_layers' signature: what a pipeline stage runs
+    # (DeepSeek); None with `forward` set: pipeline parallelism is refused for the family
+    run_layers: Callable | None = None
     # (cfg, EngineArgs, the checkpoint's quant_method or None) -> None: ValueError naming a flag the
     # family cannot serve (DeepSeek's latent attention: TP, PP, ...), before any weight is read
     refuse_flags: Callable | None = None
