@@ -1,5 +1,5 @@
 """Benchmark workloads: `random`, `lognormal`, `sharegpt` (a local JSON file), `prefix-repetition`,
-and the log-normal mixed workload of `bench batching`.
+`random-mm` (random images too: jaxserve/bench/random_mm.py), and the log-normal mixed workload of `bench batching`.
 
 A dataset needs a tokenizer only to count and build prompts; anything with
 `encode(text) -> list[int]` and `decode(ids) -> str` will do: the engine's own
@@ -42,6 +42,7 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int
     expected_output_len: int
+    multi_modal_data: list[dict] | None = None  # chat content parts (random-mm's images as data URLs)
 
 
 class WordTokenizer:
@@ -248,8 +249,9 @@ LOGNORMAL_OUTPUT_RANGE = "16:512"
 
 def add_dataset_args(parser) -> None:
     g = parser.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=("random", "lognormal", "sharegpt", "prefix-repetition"),
-                   default="random", help="lognormal: random tokens, log-normal prompt and output lengths")
+    g.add_argument("--dataset-name", choices=("random", "lognormal", "sharegpt", "prefix-repetition", "random-mm"),
+                   default="random", help="lognormal: random tokens, log-normal prompt and output lengths; "
+                                          "random-mm: random text and random images (chat only)")
     g.add_argument("--dataset-path", default=None, help="ShareGPT-format JSON file (for --dataset-name sharegpt)")
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--seed", type=int, default=0)
@@ -270,6 +272,9 @@ def add_dataset_args(parser) -> None:
     g.add_argument("--suffix-len", type=int, default=64)
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--prefix-repetition-output-len", type=int, default=64)
+    from jaxserve.bench import random_mm  # noqa: PLC0415  (it imports this module)
+
+    random_mm.add_args(g)
 
 
 def build_requests(args, tokenizer: Tokenizer, as_ids: bool) -> list[SampleRequest]:
@@ -284,6 +289,10 @@ def build_requests(args, tokenizer: Tokenizer, as_ids: bool) -> list[SampleReque
                                   getattr(args, "lognormal_sigma", LOGNORMAL_SIGMA),
                                   getattr(args, "lognormal_input_range", LOGNORMAL_INPUT_RANGE),
                                   getattr(args, "lognormal_output_range", LOGNORMAL_OUTPUT_RANGE), args.seed, as_ids)
+    if args.dataset_name == "random-mm":
+        from jaxserve.bench.random_mm import random_mm_requests  # noqa: PLC0415  (it imports this module)
+
+        return random_mm_requests(args, tokenizer)
     if args.dataset_name == "prefix-repetition":
         return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_len, args.suffix_len,
                                           args.num_prefixes, args.prefix_repetition_output_len, args.seed,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -98,6 +99,8 @@ def build_payload(endpoint: str, model: str, req: ds.SampleRequest, ignore_eos: 
                                "stream_options": {"include_usage": True}}
     if endpoint.endswith("/chat/completions"):
         content = req.prompt if isinstance(req.prompt, str) else " ".join(map(str, req.prompt))
+        if req.multi_modal_data:  # random-mm: the text, then the images (vLLM's order)
+            content = [{"type": "text", "text": content}, *req.multi_modal_data]
         body.update(messages=[{"role": "user", "content": content}], max_completion_tokens=req.expected_output_len)
     else:
         body.update(prompt=req.prompt, max_tokens=req.expected_output_len)
@@ -183,7 +186,7 @@ async def run_load(base_url: str, endpoint: str, model: str, requests: list[ds.S
     async with httpx.AsyncClient(timeout=httpx.Timeout(6 * 3600.0), limits=limits, headers=headers) as client:
         if test_request:
             first = requests[0]
-            probe = ds.SampleRequest(first.prompt, first.prompt_len, min(first.expected_output_len, 4))
+            probe = dataclasses.replace(first, expected_output_len=min(first.expected_output_len, 4))
             res = await send_request(client, url, build_payload(endpoint, model, probe, ignore_eos, temperature),
                                      probe, chat)
             if not res.success:
@@ -225,6 +228,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     """The whole `bench serve` run as a result dict (also what `sweep` calls)."""
     if args.endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint: must be one of {ENDPOINTS}, got {args.endpoint!r}")
+    if getattr(args, "dataset_name", None) == "random-mm" and not args.endpoint.endswith("/chat/completions"):
+        raise ValueError("dataset_name: random-mm sends its images as chat content parts: use "
+                         "--endpoint /v1/chat/completions")
+    if getattr(args, "dataset_name", None) == "random-mm":
+        from jaxserve.bench.random_mm import check_args
+
+        check_args(args)  # a bad flag fails before the server is asked anything
     base_url = args.base_url or f"http://{args.host}:{args.port}"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     # The prompts' tokenizer and its name (the result's tokenizer_id): --tokenizer (loaded first, so a bad

@@ -48,6 +48,10 @@ def run_throughput(llm, requests: list[ds.SampleRequest], *, progress: bool = Tr
     params = [SamplingParams(temperature=temperature, max_tokens=r.expected_output_len, ignore_eos=True)
               for r in requests]
     prompts = [{"prompt_token_ids": r.prompt} if isinstance(r.prompt, list) else r.prompt for r in requests]
+    if any(r.multi_modal_data for r in requests):  # random-mm: chat prompts with their images
+        from jaxserve.bench.random_mm import engine_prompts
+
+        prompts = engine_prompts(llm, requests)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=progress)
     elapsed = time.perf_counter() - start
@@ -86,13 +90,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.dataset_name == "random-mm":
+        from jaxserve.bench.random_mm import check_args
+
+        try:
+            check_args(args)  # before the model loads
+        except ValueError as exc:
+            raise SystemExit(f"bench throughput: {exc}") from None
     llm = make_llm(args)
     tok = ds.HFTokenizer(llm.get_tokenizer())
     try:
         requests = ds.build_requests(args, tok, as_ids=True)
+        res = run_throughput(llm, requests, progress=not args.disable_tqdm)
     except ValueError as exc:
         raise SystemExit(f"bench throughput: {exc}") from None
-    res = run_throughput(llm, requests, progress=not args.disable_tqdm)
     print(format_result(res))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(res, indent=1))
