@@ -12,11 +12,19 @@ real uvicorn server in this process and the openai client, on the tiny Qwen2.5-V
                  part; /health stays 200 and the next request is answered
     text-only    an image part to a text-only model: a 400 naming messages.0.content
     flags        --limit-mm-per-prompt's JSON form and --allowed-local-media-path checked at start-up
+    hosts        --allowed-media-domains (the engine's: 127.0.0.1) and, without it, private/loopback/... addresses
+                 (SSRF): each a 400 before any connection (servers counting their accepts), redirect hops too;
+                 a name resolving elsewhere on its second lookup (DNS rebinding) is fetched from the first
+    processor    --mm-processor-cache-gb's cache hit for an image sent again; --mm-processor-kwargs' max_pixels
+                 gives the image tokens transformers' processor gives with it; the multimodal flags refused
+                 at start-up for a bad key, a bad value and a text-only model
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import dataclasses
 import functools
 import http.server
 import io
@@ -31,6 +39,7 @@ import pytest
 from tests.moe_fixtures import EXACT
 from tests.vl_fixtures import image, save_vl_checkpoint
 
+pytestmark = pytest.mark.warmup  # its engines hold 0 compilations after warm-up (tests/conftest.py)
 MAX_TOKENS = 5
 IMG = image(84, 112, 0)
 IMG2 = image(56, 56, 1)
@@ -97,7 +106,7 @@ def served(checkpoint, media):
 
     llm = LLM(str(checkpoint), progress=False, max_model_len=128, max_num_seqs=1, max_num_batched_tokens=16,
               kv_cache_memory=1 << 20, compilation_cache_dir="", allowed_local_media_path=str(media[0]),
-              limit_mm_per_prompt={"image": 2}, **EXACT)
+              limit_mm_per_prompt={"image": 2}, allowed_media_domains=["127.0.0.1"], **EXACT)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     one, two = (llm.chat(m, params, use_tqdm=False)[0]
                 for m in (_message(_data_url(_png(IMG))), _message(_data_url(_png(IMG)), _data_url(_png(IMG2)))))
@@ -179,6 +188,8 @@ def test_flags_checked_at_start_up(tmp_path):
     ns = parser.parse_args(["--limit-mm-per-prompt", '{"image": 3}', "--allowed-local-media-path", str(tmp_path)])
     assert (ns.limit_mm_per_prompt, ns.allowed_local_media_path) == ({"image": 3}, str(tmp_path))
     assert image_limit(ns) == 3 and MediaLoader.from_args(ns).allowed_local_media_path == tmp_path.resolve()
+    ns = parser.parse_args(["--allowed-media-domains", "Images.Example.com.", "10.0.0.5"])
+    assert MediaLoader.from_args(ns).allowed_media_domains == {"images.example.com", "10.0.0.5"}
     for limits, match in (({"video": 1}, "'video': only 'image'"), ({"image": -1}, "'image' must be an integer >= 0")):
         with pytest.raises(ValueError, match=f"^limit_mm_per_prompt: {match}"):
             image_limit(SimpleNamespace(limit_mm_per_prompt=limits))
@@ -204,3 +215,177 @@ def test_tower_warmup_then_no_compilations(served):
     assert engine.get_stats().num_compilations_after_warmup == 0
     # larger than max_pixels: resized down by the checkpoint's processor (as vLLM does), not refused
     assert prompt_tokens[-1] == prompt_tokens[2]
+
+
+class _Counting(http.server.ThreadingHTTPServer):
+    """Counts the connections it accepts: a refused URL must open none."""
+    accepted = 0
+
+    def get_request(self):  # noqa: ANN201  (socketserver's)
+        self.accepted += 1
+        return super().get_request()
+
+
+class _Redirect(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802  (http.server's name)
+        self.send_response(302)
+        self.send_header("Location", self.path[len("/to/"):])  # /to/<absolute URL>
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _server(host: str, handler, port: int = 0):
+    server = _Counting((host, port), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, f"http://{host}:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextlib.contextmanager
+def _domains(engine, domains: frozenset[str] | None):
+    """The engine's loader with other --allowed-media-domains for a while (the flag's own parsing:
+    test_flags_checked_at_start_up)."""
+    processor = engine.mm_processor
+    old = processor.media
+    processor.media = dataclasses.replace(old, allowed_media_domains=domains)
+    try:
+        yield
+    finally:
+        processor.media = old
+
+
+def _public_stand_in(monkeypatch) -> None:
+    """127.0.0.2 stands in for a public host (the tests have no network): judged public, all else as it is."""
+    from jaxserve.multimodal import fetch
+
+    monkeypatch.setattr(fetch, "non_public", lambda a, real=fetch.non_public: None if a == "127.0.0.2" else real(a))
+
+
+def _refused(raw: httpx.Client, model: str, url: str, match: str) -> None:
+    r = raw.post("/v1/chat/completions", json={"model": model, "messages": _message(url), "max_tokens": 2})
+    assert r.status_code == 400, (url, r.text)
+    assert "messages[0].content[0].image_url.url" in r.text and match in r.json()["error"]["message"], r.text
+    assert raw.get("/health").status_code == 200
+
+
+def test_hosts_refused_before_any_connection(served, media, monkeypatch):
+    client, raw, (one, _), model, engine = served
+    files = functools.partial(_Handler, directory=str(media[0]))
+    with (_server("127.0.0.1", files) as (target, url), _server("127.0.0.1", _Redirect) as (hop, hop_url),
+          _server("127.0.0.2", _Redirect) as (public_hop, public_url)):
+        port = target.server_address[1]
+        # the engine's --allowed-media-domains 127.0.0.1: another name refused, and a redirect to one
+        _refused(raw, model, f"http://localhost:{port}/img.png", "'localhost' is not in --allowed-media-domains")
+        _refused(raw, model, f"{hop_url}/to/http://localhost:{port}/img.png",
+                 "'localhost' is not in --allowed-media-domains (127.0.0.1)")
+        assert hop.accepted == 1
+        # every image's host is judged before the first is fetched: the allowed first one is not read
+        r = raw.post("/v1/chat/completions", json={"model": model, "max_tokens": 2, "messages": _message(
+            f"{url}/img.png", f"http://localhost:{port}/img.png")})
+        assert r.status_code == 400 and "messages[0].content[1].image_url.url: the host 'localhost'" in r.text
+        with _domains(engine, None):  # no list: public addresses only (SSRF), IPv4 and IPv6
+            for bad, kind in ((f"{url}/img.png", "loopback"), (f"http://localhost:{port}/img.png", "loopback"),
+                              (f"http://[::1]:{port}/img.png", "loopback"),
+                              (f"http://[::ffff:127.0.0.1]:{port}/img.png", "loopback"),
+                              ("http://169.254.169.254/latest/meta-data/", "link-local"),
+                              ("http://10.1.2.3/img.png", "private"), ("http://[fd00::1]/img.png", "private"),
+                              (f"http://0.0.0.0:{port}/img.png", "unspecified"), ("http://224.0.0.1/a", "multicast")):
+                _refused(raw, model, bad, f"a {kind} address: only public addresses are fetched")
+            _public_stand_in(monkeypatch)  # each redirect hop is checked: a public host redirecting to loopback
+            _refused(raw, model, f"{public_url}/to/{url}/img.png", "127.0.0.1, a loopback address")
+            assert public_hop.accepted == 1
+        assert target.accepted == 0  # no refused URL opened a connection to it
+    assert _tokens(client, model, _message(f"{media[1]}/img.png")) == one  # still answering
+
+
+def test_resolved_address_is_the_one_connected_to(served, media, monkeypatch):
+    """DNS rebinding: `rebind.test` answers 127.0.0.2 (public, as tests stand in) when checked and 127.0.0.1
+    after; the image comes from 127.0.0.2, the address checked, and 127.0.0.1's port sees no connection."""
+    client, _, (one, _), model, engine = served
+    files = functools.partial(_Handler, directory=str(media[0]))
+    real, answers = socket.getaddrinfo, iter(["127.0.0.2"])
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        return real(next(answers, "127.0.0.1") if host == "rebind.test" else host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    _public_stand_in(monkeypatch)
+    with _server("127.0.0.2", files) as (checked, _):
+        port = checked.server_address[1]
+        with _server("127.0.0.1", files, port) as (other, _), _domains(engine, None):
+            assert _tokens(client, model, _message(f"http://rebind.test:{port}/img.png")) == one
+        assert (checked.accepted, other.accepted) == (1, 0)
+
+
+def test_processor_cache_hit(served):
+    client, _, _, model, engine = served
+    cache = engine.mm_processor.cache  # --mm-processor-cache-gb's default 4 GiB
+    hits, misses = cache.hits, cache.misses
+    url = _data_url(_png(image(56, 84, 30)))
+    for _ in range(2):
+        client.chat.completions.create(model=model, messages=_message(url), max_completion_tokens=1)
+    assert (cache.hits - hits, cache.misses - misses) == (1, 1)
+
+
+def test_mm_processor_kwargs_max_pixels(served, checkpoint):
+    """--mm-processor-kwargs '{"max_pixels": 28*28*16}': a 224x168 image (192 patches at the checkpoint's
+    max_pixels) takes the image tokens transformers' processor loaded with the same kwargs gives it, over
+    HTTP. The engine's processor is the one LLMEngine builds from these EngineArgs (processor_for)."""
+    from transformers import AutoImageProcessor
+
+    from jaxserve.multimodal.processor import processor_for
+
+    client, _, _, model, engine = served
+    big = image(224, 168, 5)
+    kwargs = {"max_pixels": 28 * 28 * 16}
+    tokens = {}
+    for name, processor in (("checkpoint", engine.mm_processor), ("kwargs", processor_for(
+            engine.model, dataclasses.replace(engine.args, mm_processor_kwargs=kwargs, mm_processor_cache_gb=0.0)))):
+        old, engine.mm_processor = engine.mm_processor, processor
+        try:
+            out = client.chat.completions.create(model=model, messages=_message(_data_url(_png(big))),
+                                                 max_completion_tokens=1)
+        finally:
+            engine.mm_processor = old
+        tokens[name] = out.usage.prompt_tokens
+        if name == "kwargs":
+            assert processor.cache is None  # --mm-processor-cache-gb 0: no cache
+    grid = lambda p: int(p(images=[big], return_tensors="np")["image_grid_thw"].prod()) // 4  # noqa: E731
+    ref = grid(AutoImageProcessor.from_pretrained(str(checkpoint), **kwargs))
+    assert tokens["checkpoint"] - tokens["kwargs"] == grid(AutoImageProcessor.from_pretrained(str(checkpoint))) - ref
+    assert ref <= 16 < grid(AutoImageProcessor.from_pretrained(str(checkpoint)))  # the kwargs changed it
+
+
+def test_mm_flags_refused_at_start_up(served, tmp_path):
+    """A bad key or value of --mm-processor-kwargs (checked by the engine's processor_for, as it starts), and
+    each multimodal flag for a text-only model (LLM: before its weights are read)."""
+    from jaxserve import LLM
+    from jaxserve.multimodal.processor import processor_for
+
+    import torch
+    import transformers
+
+    from tests.vl_fixtures import TEXT, save_tokenizer
+
+    engine = served[4]
+    text_only = tmp_path / "qwen2"  # the VL checkpoints' language model alone: a model without images
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**TEXT, "num_hidden_layers": 1})).save_pretrained(text_only)
+    save_tokenizer(text_only)
+    for kwargs, match in (({"max_pixel": 5}, "'max_pixel' is not an option of Qwen2VLImageProcessor"),
+                          ({"return_tensors": "pt"}, "'return_tensors' is set by jaxserve"),
+                          ({"max_pixels": "many"}, "the image processor fails with")):
+        with pytest.raises(ValueError, match=f"^mm_processor_kwargs: {match}"):
+            processor_for(engine.model, dataclasses.replace(engine.args, mm_processor_kwargs=kwargs))
+    for name, value in (("allowed_media_domains", ["a.com"]), ("mm_processor_kwargs", {"max_pixels": 1}),
+                        ("mm_processor_cache_gb", 0.0), ("limit_mm_per_prompt", {"image": 1}),
+                        ("allowed_local_media_path", "/tmp")):
+        with pytest.raises(ValueError, match=f"^{name}: does not apply to Qwen2ForCausalLM, a model without images"):
+            LLM(str(text_only), progress=False, **{name: value})

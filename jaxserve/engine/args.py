@@ -127,6 +127,12 @@ class EngineArgs:
     # file:// image URLs read only under this folder (None: refused)
     limit_mm_per_prompt: dict | None = None
     allowed_local_media_path: str | None = None
+    # http(s) image URLs only from these hosts (None: any host with public addresses; multimodal/fetch.py);
+    # the image processor's options over the checkpoint's ('{"max_pixels": N}'); the processed-image
+    # cache's GiB (0: none). All refused for a model without images.
+    allowed_media_domains: tuple[str, ...] | None = None
+    mm_processor_kwargs: dict | None = None
+    mm_processor_cache_gb: Annotated[float, Field(ge=0.0)] = 4.0
 
     @model_validator(mode="after")
     def _check_together(self) -> "EngineArgs":
@@ -165,6 +171,12 @@ class EngineArgs:
         if isinstance(value, (list, tuple)):
             return value[0] if len(value) == 1 else tuple(value)
         return value
+
+    @field_validator("allowed_media_domains", mode="before")
+    @classmethod
+    def _domain_list(cls, value: object) -> object:
+        """vLLM takes a list of host names."""
+        return tuple(value) if isinstance(value, list) else value
 
     @property
     def served_model_names(self) -> tuple[str, ...]:

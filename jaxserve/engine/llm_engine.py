@@ -59,7 +59,7 @@ from jaxserve.weights.loader import LoadedModel, load_model, load_tokenizer, res
 from jaxserve.weights.source import describe_model
 from jaxserve.lora.manager import LoRAManager, check_lora_model
 from jaxserve.lora.request import LoRARequest
-from jaxserve.multimodal.processor import processor_for
+from jaxserve.multimodal.processor import processor_for, refuse_unless_images
 
 PromptType = str | list[int] | dict
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class LLMEngine(pooling.PoolingRequests, WeightSync, SleepMixin):  # WeightSync:
             if args.enable_lora:
                 check_lora_model(source.config)
             registry.refuse_flags(source.config, args, source.quantization)  # a family's unsupported flags
+            refuse_unless_images(source.config, args)  # the multimodal flags, for a text-only model
             if jax.default_backend() != "cpu":  # refuse what cannot fit before loading it
                 width = jnp.dtype(resolve_dtype(args.dtype)).itemsize
                 refuse_oversized_weights(

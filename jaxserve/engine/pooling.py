@@ -35,6 +35,7 @@ from jaxserve.core.scheduler import Scheduler, SchedulerConfig
 from jaxserve.core.scheduler_output import RequestUpdate
 from jaxserve.engine.args import EngineArgs
 from jaxserve.models.bert import ENCODER_ARCHITECTURES, EncoderConfig
+from jaxserve.multimodal.options import MM_FLAG_DEFAULTS
 from jaxserve.pooling import pooler as pooler_lib
 from jaxserve.pooling.config import PoolingModelInfo, read_pooling_info
 from jaxserve.pooling.outputs import PoolingOutput, PoolingRequestOutput
@@ -72,6 +73,7 @@ def refuse_flags(args: EngineArgs, encoder: bool) -> None:
         "preemption_mode": args.preemption_mode == "swap",
         "generation_config": args.generation_config != "auto",  # nothing is sampled
         "override_generation_config": bool(args.override_generation_config),
+        **{name: getattr(args, name) != default for name, default in MM_FLAG_DEFAULTS.items()},  # no images
     }
     if encoder:  # no KV pool, no paged runner
         refused.update({

@@ -133,6 +133,10 @@ _HELP = {
     "lora_modules": "adapters served at start-up: name=path or JSON {\"name\", \"path\", \"base_model_name\"}",
     "enable_sleep_mode": ("serve the dev routes /sleep, /wake_up, /is_sleeping, /pause, /resume, /is_paused "
                           "(as VLLM_SERVER_DEV_MODE=1 does): free the KV pool and weights between RL steps"),
+    "allowed_media_domains": ("host names http(s) image URLs (and their redirects) may name; without it any host "
+                              "whose addresses are all public (private, loopback, link-local ones refused)"),
+    "mm_processor_kwargs": "JSON, as vLLM: the image processor's options over the checkpoint's, '{\"max_pixels\": N}'",
+    "mm_processor_cache_gb": "GiB of processed images kept by their pixels' hash (0: no cache)",
 }
 # Flags whose values are a set: EngineArgs' `Literal` fields add theirs (_field_types).
 _CHOICES: dict[str, tuple] = {"uvicorn_log_level": ("critical", "error", "warning", "info", "debug", "trace"),

@@ -31,6 +31,11 @@ def chat_images(conversation: list[dict], media: MediaLoader | None = None,
         raise ValueError(f"messages[{i}].content[{j}]: {len(found)} images in the prompt, more than "
                          f"--limit-mm-per-prompt's {limit}")
     media = media or MediaLoader()
+    for i, j in found:  # every URL's host judged before any image is fetched (no work spent on a refused request)
+        spec = conversation[i]["content"][j].get("image_url")
+        url = spec.get("url") if isinstance(spec, dict) else spec
+        if isinstance(url, str):
+            media.precheck(url, f"messages[{i}].content[{j}].image_url.url")
     out, images = [], []
     for i, message in enumerate(conversation):
         content = message.get("content") if isinstance(message, dict) else None

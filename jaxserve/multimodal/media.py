@@ -1,9 +1,10 @@
 """Image URLs of chat content parts, read as vLLM's MediaConnector reads them:
 
     data:image/...;base64,...   decoded here (its size checked before decoding)
-    http://, https://           fetched with httpx: a timeout (vLLM's VLLM_IMAGE_FETCH_TIMEOUT, 5 s), at most
-                                `max_bytes` read (the download stops past it), redirects followed only to
-                                http(s) URLs (at most MAX_REDIRECTS)
+    http://, https://           fetched with httpx (fetch.py): a timeout (vLLM's VLLM_IMAGE_FETCH_TIMEOUT, 5 s),
+                                at most `max_bytes` read (the download stops past it), redirects followed only
+                                to http(s) URLs (at most 3); hosts only from --allowed-media-domains when
+                                given, else only public addresses (no SSRF), each hop checked before connecting
     file:///abs/path, /abs/path read only under --allowed-local-media-path DIR (after resolving `..` and
                                 symlinks); without that flag, refused
 
@@ -22,11 +23,12 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urljoin, urlparse
+from urllib.parse import unquote, urlparse
+
+from jaxserve.multimodal.fetch import fetch, normalize_domains, precheck
 
 DEFAULT_FETCH_TIMEOUT = 5.0  # seconds, vLLM's VLLM_IMAGE_FETCH_TIMEOUT default
 DEFAULT_MAX_BYTES = 20 << 20  # an image body larger than this is refused (JAXSERVE_MAX_IMAGE_BYTES)
-MAX_REDIRECTS = 3
 
 
 def _env_float(name: str, default: float) -> float:
@@ -38,8 +40,10 @@ def _env_float(name: str, default: float) -> float:
 
 @dataclass(frozen=True)
 class MediaLoader:
-    """Reads an image URL into a decoded Pillow image; `allowed_local_media_path` None: no local files."""
+    """Reads an image URL into a decoded Pillow image; `allowed_local_media_path` None: no local files,
+    `allowed_media_domains` None: any host with public addresses."""
     allowed_local_media_path: Path | None = None
+    allowed_media_domains: frozenset[str] | None = None
     timeout: float = field(default_factory=lambda: _env_float("VLLM_IMAGE_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT))
     max_bytes: int = field(default_factory=lambda: int(_env_float("JAXSERVE_MAX_IMAGE_BYTES", DEFAULT_MAX_BYTES)))
 
@@ -47,12 +51,13 @@ class MediaLoader:
     def from_args(cls, args: Any) -> "MediaLoader":
         """The engine's loader; --allowed-local-media-path must be an existing folder (checked at start-up)."""
         folder = getattr(args, "allowed_local_media_path", None)
+        domains = normalize_domains(getattr(args, "allowed_media_domains", None))
         if folder is None:
-            return cls()
+            return cls(allowed_media_domains=domains)
         path = Path(folder).expanduser().resolve()
         if not path.is_dir():
             raise ValueError(f"allowed_local_media_path: {folder!r} is not a folder")
-        return cls(allowed_local_media_path=path)
+        return cls(allowed_local_media_path=path, allowed_media_domains=domains)
 
     def load(self, url: str, where: str) -> Any:
         """The image at `url` (a Pillow image, decoded); ValueError naming `where` for anything wrong."""
@@ -67,6 +72,12 @@ class MediaLoader:
             raise ValueError(f"{where}: unsupported URL scheme {scheme or url[:16]!r}: use a data:, http(s) or "
                              "file:// URL")
         return decode(body, where)
+
+    def precheck(self, url: str, where: str) -> None:
+        """An http(s) URL's scheme and host judged without DNS or a connection (--allowed-media-domains, an IP
+        literal's address): for every image of a request before the first is read."""
+        if ":" in url and urlparse(url).scheme.lower() in ("http", "https"):
+            precheck(url, where, self.allowed_media_domains)
 
     def _data(self, url: str, where: str) -> bytes:
         header, _, payload = url.partition(",")
@@ -98,37 +109,7 @@ class MediaLoader:
             raise ValueError(f"{where}: cannot read {path}: {e.strerror}") from None
 
     def _fetch(self, url: str, where: str) -> bytes:
-        import httpx
-
-        try:
-            with httpx.Client(timeout=self.timeout, follow_redirects=False) as client:
-                for _ in range(MAX_REDIRECTS + 1):
-                    with client.stream("GET", url) as response:
-                        if response.is_redirect:  # followed by hand: only to another http(s) URL
-                            url = urljoin(url, response.headers.get("location", ""))
-                            if urlparse(url).scheme.lower() not in ("http", "https"):
-                                raise ValueError(f"{where}: redirected to a non-http(s) URL {url[:64]!r}")
-                            continue
-                        if response.status_code != 200:
-                            raise ValueError(f"{where}: fetching the image answered HTTP {response.status_code}")
-                        return self._read_capped(response, where)
-                raise ValueError(f"{where}: more than {MAX_REDIRECTS} redirects")
-        except httpx.TimeoutException:
-            raise ValueError(f"{where}: fetching the image timed out after {self.timeout} s") from None
-        except httpx.HTTPError as e:
-            raise ValueError(f"{where}: cannot fetch the image ({type(e).__name__}: {e})") from None
-
-    def _read_capped(self, response: Any, where: str) -> bytes:
-        declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            raise ValueError(f"{where}: the image is larger than {self.max_bytes} bytes")
-        chunks, size = [], 0
-        for chunk in response.iter_bytes():
-            size += len(chunk)
-            if size > self.max_bytes:  # stop reading: a body without (or lying in) content-length
-                raise ValueError(f"{where}: the image is larger than {self.max_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return fetch(url, where, timeout=self.timeout, max_bytes=self.max_bytes, allowed=self.allowed_media_domains)
 
 
 def decode(body: bytes, where: str) -> Any:

@@ -19,6 +19,7 @@ import numpy as np
 from jaxserve.models.vision.config import VisionConfig
 from jaxserve.multimodal.inputs import ImageItem, MultiModalInputs, image_hash, rope_index
 from jaxserve.multimodal.media import MediaLoader, image_limit
+from jaxserve.multimodal.options import Entry, ProcessorCache, check_processor_kwargs, refuse_unless_images
 
 class TextOnly:
     """A model without a vision tower: prompts with images are refused."""
@@ -37,16 +38,25 @@ class ImageProcessor:
     """A vision-language model's prompts: images through the checkpoint's processor, placeholders expanded."""
 
     def __init__(self, vision: VisionConfig, model_dir: Path, media: MediaLoader | None = None,
-                 limit: int | None = None) -> None:
+                 limit: int | None = None, kwargs: dict | None = None, cache_gb: float = 0.0) -> None:
         from transformers import AutoImageProcessor
 
         self.vision, self.media, self.limit = vision, media or MediaLoader(), limit  # limit: images a prompt
         self.max_patches: int | None = None  # the tower's budget (bind): a larger image is refused
+        self.cache = ProcessorCache.from_gb(cache_gb)  # --mm-processor-cache-gb (None: 0, no cache)
         try:
             self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
         except (OSError, ValueError) as e:
             raise ValueError(f"model: {model_dir} has no image processor config (preprocessor_config.json) for "
                              f"its images: {e}") from None
+        if kwargs:  # --mm-processor-kwargs: checked against the class, laid over the config, tried once
+            self.processor = AutoImageProcessor.from_pretrained(str(model_dir),
+                                                                **check_processor_kwargs(kwargs, self.processor))
+            try:
+                self.processor(images=[_probe_image()], return_tensors="np")
+            except Exception as e:  # noqa: BLE001  (a value the processor cannot use: TypeError, ValueError, ...)
+                raise ValueError(f"mm_processor_kwargs: the image processor fails with {kwargs}: "
+                                 f"{type(e).__name__}: {e}") from None
 
     def apply(self, prompt: Any, token_ids: list[int]) -> tuple[list[int], MultiModalInputs | None]:
         """(the prompt's token ids with each image's placeholders expanded, its images) for a prompt
@@ -64,24 +74,40 @@ class ImageProcessor:
                 raise ValueError(f"prompt: holds image placeholder tokens (id {placeholder}) but "
                                  "multi_modal_data has no image")
             return token_ids, None
-        try:
-            out = self.processor(images=images, return_tensors="np")
-        except ValueError as e:  # Qwen's smart_resize: an aspect ratio over 200, ...
-            raise ValueError(f"multi_modal_data.image: the model's image processor refused an image: {e}") from None
-        grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
-        pixels = np.asarray(out["pixel_values"])
+        processed = self._process(images)
+        grids = [g for _, g, _ in processed]
         for i, (t, h, w) in enumerate(grids):
             if self.max_patches is not None and t * h * w > self.max_patches:
                 raise ValueError(f"multi_modal_data.image[{i}]: {t * h * w} patches, more than the encoder budget "
                                  f"of {self.max_patches}")
         counts = [t * h * w // self.vision.merge_unit for t, h, w in grids]
         ids, offsets = _expand(token_ids, placeholder, counts)
-        starts = np.cumsum([0] + [t * h * w for t, h, w in grids])
-        items = tuple(ImageItem(image_hash(pixels[a:b], g), off, n, pixels[a:b], g)
-                      for a, b, g, off, n in zip(starts[:-1], starts[1:], grids, offsets, counts))
+        items = tuple(ImageItem(digest, off, n, pixels, g)
+                      for (pixels, g, digest), off, n in zip(processed, offsets, counts))
         positions, delta = rope_index(len(ids), [(im.offset, im.length, im.grid) for im in items],
                                       self.vision.spatial_merge_size)
         return ids, MultiModalInputs(items, positions, delta)
+
+    def _process(self, images: list) -> list[Entry]:
+        """Each image's (patches, (t, h, w) grid, hash): from the processor cache, the misses through the
+        checkpoint's processor in one call."""
+        keys = [self.cache.key(im) for im in images] if self.cache is not None else [None] * len(images)
+        found = [self.cache.get(k) if self.cache is not None else None for k in keys]
+        missing = [i for i, entry in enumerate(found) if entry is None]
+        if not missing:
+            return found  # type: ignore[return-value]  # every one cached
+        try:
+            out = self.processor(images=[images[i] for i in missing], return_tensors="np")
+        except ValueError as e:  # Qwen's smart_resize: an aspect ratio over 200, ...
+            raise ValueError(f"multi_modal_data.image: the model's image processor refused an image: {e}") from None
+        grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])]
+        pixels = np.asarray(out["pixel_values"])
+        starts = np.cumsum([0] + [t * h * w for t, h, w in grids])
+        for i, a, b, grid in zip(missing, starts[:-1], starts[1:], grids):
+            found[i] = (pixels[a:b], grid, image_hash(pixels[a:b], grid))
+            if self.cache is not None:
+                self.cache.put(keys[i], found[i])
+        return found  # type: ignore[return-value]  # each filled above
 
     def max_image_patches(self) -> int | None:
         """The patches of the largest image the processor makes (its max_pixels; None: unbounded)."""
@@ -123,6 +149,13 @@ class ImageProcessor:
         return out
 
 
+def _probe_image() -> Any:
+    """A small image to try the processor's options on at start-up."""
+    from PIL import Image
+
+    return Image.new("RGB", (56, 56), (128, 64, 32))
+
+
 def _expand(token_ids: list[int], placeholder: int, counts: list[int]) -> tuple[list[int], list[int]]:
     """The ids with the i-th image's placeholder run made counts[i] long, and each run's offset. A run is
     taken as one placeholder (vLLM's prompt form) or as already expanded when its length is counts[i]."""
@@ -153,13 +186,15 @@ def _expand(token_ids: list[int], placeholder: int, counts: list[int]) -> tuple[
 def processor_for(model: Any, args: Any) -> TextOnly | ImageProcessor:
     """The engine's prompt processor for a LoadedModel: images only for a model with a vision tower (its
     unsupported engine flags were refused before its weights were read: models/qwen2_vl.refuse_flags)."""
+    refuse_unless_images(model.config, args)  # (a model the engine loads: checked before its weights were read)
     vision = model.config.vision
-    media, limit = MediaLoader.from_args(args), image_limit(args)  # the flags checked at start-up
     if vision is None:
         return TextOnly(model.config.architecture)
+    media, limit = MediaLoader.from_args(args), image_limit(args)  # the flags checked at start-up
     if model.tokenizer is None:
         raise ValueError(f"model: {model.config.architecture} needs its tokenizer beside the weights")
-    return ImageProcessor(vision, model.path, media, limit)
+    return ImageProcessor(vision, model.path, media, limit, getattr(args, "mm_processor_kwargs", None),
+                          getattr(args, "mm_processor_cache_gb", 0.0))
 
 
 def image_processor_of(engine: Any) -> ImageProcessor | None:
