@@ -32,7 +32,7 @@ def served(tmp_path_factory):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        engine = make_engine(fp8, enforce_eager=True)
+        engine = make_engine(fp8, enforce_eager=True, max_num_batched_tokens=32)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
