@@ -18,8 +18,9 @@ from jaxserve.plan import add_arguments, plan, render
 from jaxserve.plan.vision import tower_activation_bytes, vision_params
 from tests.vl_fixtures import TEXT, TOKEN_IDS, VISION_2, VISION_25, save_vl_checkpoint
 
-KINDS = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", VISION_25),
-         "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", VISION_2)}
+KINDS = {"qwen2_5_vl": ("Qwen2_5_VLConfig", "qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VisionTransformerPretrainedModel",
+                        VISION_25),
+         "qwen2_vl": ("Qwen2VLConfig", "qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel", VISION_2)}
 # Qwen/Qwen2.5-VL-3B-Instruct's config.json and preprocessor_config.json (the values that size it)
 QWEN25_VL_3B = {
     "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_size": 2048,
@@ -44,15 +45,18 @@ def run_plan(*argv: str) -> dict:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_tower_params_equal_transformers_numel(kind):
+    import importlib
+
     import transformers
 
-    config_cls, model_cls, vision = KINDS[kind]
+    config_cls, tower_cls, vision = KINDS[kind]
     # widths that are not multiples of one another (a wrong term would not cancel out)
     vision = {**vision, "depth": 2, "num_heads": 3, **({"hidden_size": 36, "intermediate_size": 50}
                                                        if kind == "qwen2_5_vl" else {"embed_dim": 36, "mlp_ratio": 3})}
     cfg = getattr(transformers, config_cls)(text_config=TEXT, vision_config=vision, **TOKEN_IDS)
-    model = getattr(transformers, model_cls)._from_config(cfg)
-    numel = sum(p.numel() for name, p in model.named_parameters() if ".visual." in f".{name}")
+    module, name = tower_cls.rsplit(".", 1)  # the model's `visual`: transformers' tower class alone
+    tower = getattr(importlib.import_module(f"transformers.models.{module}"), name)._from_config(cfg.vision_config)
+    numel = sum(p.numel() for p in tower.parameters())
     assert numel > 0 and vision_params(vision_from_hf(cfg.to_dict(), kind)) == numel
 
 
@@ -134,3 +138,10 @@ def test_qwen25_vl_3b_shape(tmp_path):
     r = run_plan(str(tmp_path), "--gpu", "H100", "--max-model-len", "8192")
     assert r["vision_largest_program_patches"] == 65536 and not r["fits"] and "suggest_parallel" not in r
     assert "the vision tower's largest program alone exceeds the allowed memory" in render(r)
+    # serve's --mm-processor-kwargs over the file's max_pixels: 5120 patches, an 8192-patch program that fits
+    r = run_plan(str(tmp_path), "--gpu", "H100", "--max-model-len", "8192", "--mm-processor-kwargs",
+                 '{"max_pixels": 1003520}', "--mm-processor-cache-gb", "1")
+    assert (r["vision_patch_budget"], r["vision_largest_program_patches"], r["fits"]) == (5120, 8192, True)
+    assert r["processor_cache_bytes"] == 1 << 30
+    with pytest.raises(ValueError, match="mm_processor_kwargs: does not apply to LlamaForCausalLM"):
+        run_plan("meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--mm-processor-kwargs", "{}")

@@ -50,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-lora", action="store_true", help="reserve LoRA adapter slots (as serve's flag)")
     parser.add_argument("--max-loras", type=int, default=1, help="with --enable-lora: adapter slots (default 1)")
     parser.add_argument("--max-lora-rank", type=int, default=16, help="with --enable-lora: every slot's rank")
+    parser.add_argument("--mm-processor-kwargs", type=json.loads, default=None, metavar="JSON",
+                        help="a vision-language model: as serve's, e.g. '{\"max_pixels\": 1003520}' (the largest "
+                             "image, so the encoder budget)")
+    parser.add_argument("--mm-processor-cache-gb", type=float, default=4.0,
+                        help="a vision-language model: as serve's (host memory)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -88,8 +93,24 @@ def build_setting(args: argparse.Namespace) -> tuple[Setting, str]:
                       args.block_size or sizing.default_block_size(gpu is None),
                       args.kv_cache_memory, args.max_loras if args.enable_lora else 0, args.max_lora_rank,
                       2 if bf16_experts else None,
-                      max_image_patches(src.path, cfg.vision) if cfg.vision is not None else None)
+                      *_vision_fields(args, src.path, cfg))
     return setting, src.where
+
+
+def _vision_fields(args: argparse.Namespace, path, cfg) -> tuple[int | None, int]:
+    """(the processor's largest image in patches, the processor cache's bytes); a VL flag given to a text-only
+    model is a ValueError naming it."""
+    kwargs, gb = getattr(args, "mm_processor_kwargs", None), getattr(args, "mm_processor_cache_gb", 4.0)
+    if cfg.vision is None:
+        for name, value, default in (("mm_processor_kwargs", kwargs, None), ("mm_processor_cache_gb", gb, 4.0)):
+            if value != default:
+                raise ValueError(f"{name}: does not apply to {cfg.architecture}, a model without images")
+        return None, 0
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ValueError(f"mm_processor_kwargs: expected a JSON object such as {{\"max_pixels\": 1003520}}")
+    if gb < 0:
+        raise ValueError(f"mm_processor_cache_gb: must be >= 0, got {gb}")
+    return max_image_patches(path, cfg.vision, kwargs), int(gb * (1 << 30))
 
 
 def plan(args: argparse.Namespace) -> dict:

@@ -50,6 +50,7 @@ class Setting:
     max_lora_rank: int = 16
     expert_dtype_bytes: int | None = None  # MoE experts' width where not dtype_bytes (the CPU default's bfloat16: 2)
     max_image_patches: int | None = None  # a VL model: the processor's largest image (preprocessor_config.json)
+    processor_cache_bytes: int = 4 << 30  # a VL model: --mm-processor-cache-gb (host memory)
 
     @property
     def num_devices(self) -> int:
@@ -68,7 +69,7 @@ def estimate(s: Setting) -> dict:
         per_block = layout.bytes_per_block(per_block, cfg.num_layers)  # sequence holds its sliding
         per_seq = layout.blocks_held(s.max_model_len, s.block_size)  # groups' windows only
     vision = {} if cfg.vision is None else vision_figures(cfg.vision, s.dtype_bytes, s.max_num_batched_tokens,
-                                                          s.max_image_patches)
+                                                          s.max_image_patches, s.processor_cache_bytes)
     if s.gpu is None:
         activations, budget = 0, s.kv_cache_memory or DEFAULT_CPU_KV_BYTES
         allowed = None

@@ -14,6 +14,9 @@ preprocessor_config.json (max_pixels), sized as the engine sizes it (jaxserve/mu
     encoder cache     host memory, not the device's: the runner keeps each image's merged rows in numpy
                       up to DEFAULT_CACHE_BYTES (least recently used dropped beyond it); listed with the
                       image tokens it holds, never taken from the KV budget
+    processor cache   host memory too: --mm-processor-cache-gb GiB of processed patches (vLLM's 4 by default)
+
+--mm-processor-kwargs' max_pixels (or size.longest_edge) stands over the checkpoint's, as the engine's.
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ def vision_params(vc: VisionConfig) -> int:
     return d * vc.patch_dim + vc.depth * block + merger
 
 
-def max_image_patches(model_dir: Path | None, vc: VisionConfig) -> int | None:
+def max_image_patches(model_dir: Path | None, vc: VisionConfig, overrides: dict | None = None) -> int | None:
     """The patches of the largest image the checkpoint's processor makes (its max_pixels, as
-    multimodal/processor.py reads them); None without a local preprocessor_config.json saying so."""
+    multimodal/processor.py reads them, `overrides` (--mm-processor-kwargs) over the file's); None when
+    neither says."""
     path = model_dir / "preprocessor_config.json" if model_dir is not None and model_dir.is_dir() else None
-    if path is None or not path.is_file():
-        return None
-    d = json.loads(path.read_text())
+    d = json.loads(path.read_text()) if path is not None and path.is_file() else {}
+    d.update(overrides or {})
     size = d.get("size") if isinstance(d.get("size"), dict) else {}
     pixels = d.get("max_pixels") or size.get("longest_edge")
     return None if pixels is None else int(pixels) // vc.patch_size ** 2
@@ -69,7 +72,7 @@ def tower_activation_bytes(vc: VisionConfig, patches: int, width: int) -> int:
 
 
 def vision_figures(vc: VisionConfig, width: int, max_num_batched_tokens: int, largest_image: int | None,
-                   cache_bytes: int = DEFAULT_CACHE_BYTES) -> dict:
+                   processor_cache_bytes: int = 4 << 30, cache_bytes: int = DEFAULT_CACHE_BYTES) -> dict:
     """The --json fields of the vision side (see the module docstring)."""
     params = vision_params(vc)
     budget, bucket = patch_bucket(vc, max_num_batched_tokens, largest_image)
@@ -77,7 +80,8 @@ def vision_figures(vc: VisionConfig, width: int, max_num_batched_tokens: int, la
                 vision_max_image_patches=largest_image, vision_largest_program_patches=bucket,
                 vision_activation_bytes=tower_activation_bytes(vc, bucket, width),
                 encoder_cache_bytes=cache_bytes,
-                encoder_cache_image_tokens=cache_bytes // (vc.out_hidden_size * width))
+                encoder_cache_image_tokens=cache_bytes // (vc.out_hidden_size * width),
+                processor_cache_bytes=processor_cache_bytes)
 
 
 def render_lines(r: dict) -> list[str]:
@@ -94,4 +98,5 @@ def render_lines(r: dict) -> list[str]:
             f"{r['vision_largest_program_patches']} patches, dense attention; budget {r['vision_patch_budget']} "
             f"patches from {source})",
             f"  encoder cache       {gb(r['encoder_cache_bytes'])}  (host memory, not the device's: "
-            f"{r['encoder_cache_image_tokens']} image tokens)"]
+            f"{r['encoder_cache_image_tokens']} image tokens)",
+            f"  processor cache     {gb(r['processor_cache_bytes'])}  (host memory: --mm-processor-cache-gb)"]
