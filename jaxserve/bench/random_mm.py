@@ -107,7 +107,8 @@ def image_part(rng: np.random.Generator, height: int, width: int) -> dict:
 
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buf, format="JPEG")
-    return {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()}}
+    url = "data:image/jpeg;base64," + base64.b64encode(buf.getvalue()).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def check_args(args) -> tuple[dict[str, int], dict[Bucket, float], tuple[int, int]]:
