@@ -14,6 +14,8 @@
 #                      1,000 requests with --no-async-scheduling (the host-gap/async comparison), then
 #                      `bench batching`'s continuous vs static batching (f)
 #   d  kernels         decode vs ragged kernels on decode batches vs copy bandwidth (scripts/gpu_check.py)
+#   mla                scripts/gpu_mla.py: the Pallas MLA decode kernel vs the XLA path (correctness), its GB/s
+#                      at batch 128, 4k context, 16 and 128 heads, against the latent bytes it reads (FlashMLA: 2,826)
 #   host_gap           scripts/bench_host_gap.py at the 8B shape: the device's wait between steps, sync vs async
 #   quant              scripts/gpu_quant.py, when present
 #   lora               scripts/gpu_lora.py: the LoRA Pallas kernel vs the XLA one-hot path at M = 1, 16, 64
@@ -141,6 +143,8 @@ stage llama8b_fp8 150 $E $BIG --backend $PALLAS $BIGRUN --workloads $W3 --num-co
   --quantization fp8
 # (d) the kernels alone
 stage kernels 60 "$PYTHON" scripts/gpu_check.py $KERN
+# The MLA decode kernel (DeepSeek's latent pool) against the XLA path, and its GB/s at batch 128, 4k context
+stage mla 60 "$PYTHON" scripts/gpu_mla.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 # Where a step's time goes, host phases vs device (same engine shape and cache as llama8b: no compiles)
 stage profile8b 75 "$PYTHON" scripts/profile_step.py $PROF --compilation-cache-dir "$CACHE"
 # The device's wait between two steps at 256 decoding sequences, sync vs async

@@ -92,7 +92,7 @@ def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, m
         kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, layer=layer,
                   interpret=backend == PALLAS_INTERPRET, **extra)
         if md.decode_only:
-            kv_lens, tables = _decode_rows(md, q.shape[0])
+            kv_lens, tables = decode_rows(md, q.shape[0])
             return pallas_kernels.paged_attention_decode(q, k_cache, v_cache, kv_lens, tables, **kw)
         return pallas_kernels.ragged_paged_attention(q, k_cache, v_cache, md.kv_lens, md.block_tables,
                                                      md.cu_q_lens, md.num_seqs, **kw)
@@ -101,7 +101,7 @@ def attend(backend: str, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, m
         sm_scale=sm_scale, sliding_window=sliding_window, layer=layer, **extra)
 
 
-def _decode_rows(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
+def decode_rows(md: AttentionMetadata, num_tokens: int) -> tuple[jax.Array, jax.Array]:
     """kv_lens [T], block_tables [T, max_blocks] for a decode-only step of T (padded) tokens: row i
     is sequence i; rows past num_seqs have kv_len 0 (the kernel writes 0 there). T is static, so
     this is a static slice or zero pad of the max_num_seqs rows."""

@@ -20,9 +20,9 @@ multi-token-prediction layer (V3's model.layers.61) is past num_hidden_layers an
 Tensor parallelism splits the heads (partition_rules) and replicates the latent pool; pipeline
 parallelism gives each stage its layers' slice of it (run_layers, as every family's stages).
 Block-wise FP8 checkpoints (V3 / R1 as the hub ships them) load: models/deepseek_weights.py.
-Not served yet (refused at start-up, naming the flag): LoRA,
---attention-backend pallas (no MLA kernel yet: auto takes the XLA path on GPUs too), --quantization,
-checkpoints quantized otherwise than block-wise FP8.
+Not served yet (refused at start-up, naming the flag): LoRA, --quantization,
+checkpoints quantized otherwise than block-wise FP8. On the Pallas backends a decode step's attention
+is the MLA decode kernel (models/mla.py, pallas_kernels/mla_decode.py).
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def run_layers(layers: dict, cfg: ModelConfig, kv_cache: tuple[jax.Array, jax.Ar
         if kind_index is not None:
             lp.update(local, **{KIND_INDEX: row})
         attn, pool = mla.attention(cfg, lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), positions, pool, md,
-                                   layer, inv_freq, dots)
+                                   layer, inv_freq, dots, backend)
         h = h + attn
         out = ffn(cfg, lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), dots, backend=backend, valid=valid)
         return (h + out, pool, empty), None
@@ -230,8 +230,6 @@ def refuse_flags(cfg: ModelConfig, args, checkpoint_quantization: str | None) ->
     """ValueError naming what this family cannot serve yet, before any weight is read."""
     arch = cfg.architecture
     for flag, bad, why in (
-            ("attention_backend", args.attention_backend == "pallas",
-             "there is no Pallas MLA kernel yet; auto or xla take the XLA path"),
             ("quantization", bool(args.quantization) and args.quantization != checkpoint_quantization,
              "its projections are not quantized on load yet"),
             ("quantization_config", checkpoint_quantization not in (None, "fp8"),

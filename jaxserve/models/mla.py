@@ -19,11 +19,13 @@ Here the weights are absorbed instead, so the pool is read as it is, for decode 
 The attention is the XLA path's ragged paged attention (pallas_kernels reference_core: cached
 context and this step's tokens, ragged, chunked prefill and prefix-cache hits alike) with the pool
 given as both K and V; its value columns past R (P . k_pe) are dropped, 64 of 576 (11%) more work in
-the value product than a kernel that skips them. Prefill takes the same absorbed form: one path
-over the latent pool, whatever part of a prompt is cached. The expanded form does fewer flops per
-score (nope + rope and v against R + rope twice) once a prefill is long, at the price of
-up-projecting the cached context's K and V; measuring that crossover, and the Pallas MLA decode
-kernel on GPUs, are what is left of issue 51 (the engine refuses --attention-backend pallas).
+the value product than a kernel that skips them. On the Pallas backends (GPUs) a decode-only step
+runs the MLA decode kernel instead (pallas_kernels/mla_decode.py, FlashMLA's design: one read of each
+latent block for all the heads of a sequence, split-K); prefill and mixed steps keep the XLA path.
+Prefill takes the same absorbed form: one path over the latent pool, whatever part of a prompt is
+cached. The expanded form does fewer flops per score (nope + rope and v against R + rope twice) once
+a prefill is long, at the price of up-projecting the cached context's K and V (scripts/bench_mla.py
+measures the decode step of both).
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_kernels
-from jaxserve.models.attention import AttentionMetadata
+from jaxserve.models.attention import PALLAS_BACKENDS, PALLAS_INTERPRET, AttentionMetadata, decode_rows
 from jaxserve.models.config import ModelConfig, MlaConfig
+from jaxserve.models import mla_prefill
 from jaxserve.models.llama import rms_norm
 from jaxserve.models.rope import apply_rope, attention_scale, inv_frequencies
 from jaxserve.quantization.matmul import matmul
 from pallas_kernels.common import to_storage
+from pallas_kernels.mla_decode import mla_decode
 
 # transformers' q_a_layernorm and kv_a_layernorm are DeepseekV*RMSNorm(rank): their default eps, not rms_norm_eps
 LATENT_NORM_EPS = 1e-6
@@ -95,15 +99,34 @@ def write_entries(pool: jax.Array, entries: jax.Array, slot_mapping: jax.Array, 
 
 def attention(cfg: ModelConfig, lp: dict, x: jax.Array, positions: jax.Array, pool: jax.Array,
               md: AttentionMetadata, layer: jax.Array, inv_freq: jax.Array,
-              dots: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
+              dots: jnp.dtype | None = None, backend: str = "xla") -> tuple[jax.Array, jax.Array]:
     """One layer's attention: x [T, hidden] normed -> ([T, hidden], the pool with this step's entries)."""
     m, t = mla(cfg), x.shape[0]
     q_nope, q_pe, entries = project(cfg, lp, x, positions, inv_freq, dots)
     pool = write_entries(pool, entries, md.slot_mapping, layer)
-    q_latent = jnp.einsum("thn,hnr->thr", q_nope, lp["w_uk"].astype(q_nope.dtype))  # W_UK absorbed into q
-    q_abs = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [T, H, R + rope]
-    out = pallas_kernels.ragged_paged_attention_reference(
-        q_abs, pool, pool, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
-        sm_scale=m.softmax_scale, layer=layer)[..., :m.kv_lora_rank]  # the latent's weighted sum [T, H, R]
-    heads = jnp.einsum("thr,hvr->thv", out, lp["w_uv"].astype(out.dtype))  # W_UV: [T, H, v]
+
+    def absorbed() -> jax.Array:
+        q_latent = jnp.einsum("thn,hnr->thr", q_nope, lp["w_uk"].astype(q_nope.dtype))  # W_UK absorbed into q
+        q_abs = jnp.concatenate([q_latent, q_pe.astype(q_latent.dtype)], axis=-1)  # [T, H, R + rope]
+        out = latent_attention(cfg, q_abs, pool, md, layer, backend)  # the latent's weighted sum [T, H, R]
+        return jnp.einsum("thr,hvr->thv", out, lp["w_uv"].astype(out.dtype))  # W_UV: [T, H, v]
+
+    # a long prefill may take the expanded form instead (models/mla_prefill.py: K, V up-projected)
+    heads = mla_prefill.heads(cfg, lp, q_nope, q_pe, pool, md, layer, absorbed)
     return matmul(heads.reshape(t, cfg.num_heads * m.v_head_dim), lp["wo"], dots), pool
+
+
+def latent_attention(cfg: ModelConfig, q_abs: jax.Array, pool: jax.Array, md: AttentionMetadata,
+                     layer: jax.Array, backend: str) -> jax.Array:
+    """q_abs [T, H, R + rope] over the pool -> [T, H, R]. A decode-only step on the Pallas backends runs
+    the MLA decode kernel (pallas_kernels/mla_decode.py: each block read once for all heads); any other
+    step, and the XLA backend, the ragged XLA path with the pool as both K and V (the values' rotary
+    columns dropped after)."""
+    m = mla(cfg)
+    if backend in PALLAS_BACKENDS and md.decode_only:
+        kv_lens, tables = decode_rows(md, q_abs.shape[0])
+        return mla_decode(q_abs, pool, kv_lens, tables, kv_lora_rank=m.kv_lora_rank, sm_scale=m.softmax_scale,
+                          layer=layer, interpret=backend == PALLAS_INTERPRET)
+    return pallas_kernels.ragged_paged_attention_reference(
+        q_abs, pool, pool, md.kv_lens, md.block_tables, md.cu_q_lens, md.num_seqs,
+        sm_scale=m.softmax_scale, layer=layer)[..., :m.kv_lora_rank]
