@@ -205,7 +205,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="multi_modal_data: LlamaForCausalLM takes text only"):
         TextOnly("LlamaForCausalLM").apply({"prompt": "x", "multi_modal_data": {"image": IMAGES[0]}}, [1])
     cfg = SimpleNamespace(architecture="Qwen2VLForConditionalGeneration")  # the engine's hook, before any weight
-    for flag, value in (("tensor_parallel_size", 2), ("enable_lora", True), ("quantization", "fp8")):
+    for flag, value in (("pipeline_parallel_size", 2), ("enable_lora", True), ("quantization", "fp8")):
         with pytest.raises(ValueError, match=f"^{flag}: "):
             registry.refuse_flags(cfg, SimpleNamespace(**{flag: value}))
     registry.refuse_flags(cfg, SimpleNamespace(tensor_parallel_size=1, quantization=None))

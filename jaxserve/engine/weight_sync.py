@@ -36,7 +36,7 @@ from jaxserve.models.expert_weights import LAYER_VIEWS, with_layer_views
 from jaxserve.parallel.jit import fresh_jit
 from jaxserve.quantization.qweight import QuantizedWeight
 from jaxserve.quantization.quantize import LINEAR_LEAVES, calibration_ids, quantize_params, quantize_weight
-from jaxserve.weights import hf_names
+from jaxserve.weights import hf_names, hf_names_vl
 from jaxserve.weights.hf_names import FUSED, TOP_LEVEL, Given
 
 # what the runner adds to the served params besides the weights (LoRA slots and their owners,
@@ -90,6 +90,8 @@ class WeightSync:
         inverse = hf_names.leaf_names(names)
         for leaf, arrays in per_leaf.items():
             out.update({inverse[(leaf, i)]: a for i, a in enumerate(arrays)})
+        if "vision" in params:  # a vision-language model's tower (weights/hf_names_vl.py)
+            out.update(hf_names_vl.to_hf(cfg.vision, params["vision"], self.model_dtype, self._program))
         return out
 
     # ---- in -------------------------------------------------------------------------------------
@@ -103,6 +105,9 @@ class WeightSync:
                              f"tree, got {type(weights).__name__}")
         current = self.engine_params()
         tree = isinstance(weights.get("layers"), Mapping)
+        if not tree and "vision" in current:  # the tower's names apart (weights/hf_names_vl.py)
+            weights, tower = hf_names_vl.split(weights)
+            current = {**current, "vision": hf_names_vl.updated(self.model.config.vision, current["vision"], tower)}
         new = self._adopt_tree(weights, current) if tree else self._from_names(weights, current)
         self._apply(new, version)
 
@@ -135,8 +140,12 @@ class WeightSync:
             self.update_weights(self._to_hf(params) if self.args.quantization else params, version=version)
             return
         get, _ = tensor_reader(path)
-        weights = {}
-        for name in hf_names.name_map(self.model.config):
+        weights, names = {}, list(hf_names.name_map(self.model.config))
+        if self.model.config.vision is not None:  # and the tower's, under either naming (weights/hf_names_vl.py)
+            from jaxserve.models.qwen2_vl import tensor_getter
+
+            get, names = tensor_getter(get), names + list(hf_names_vl.vision_names(self.model.config.vision))
+        for name in names:
             try:
                 weights[name] = np.asarray(get(name))  # on the host: placed slice by slice
             except KeyError:
@@ -275,6 +284,8 @@ class WeightSync:
         self.model = dataclasses.replace(self.model, params=new)
         self._owns_weights = False  # the arrays may be the caller's (adopted)
         self.scheduler.kv.reset_prefix_cache(weights_changed=True)
+        if getattr(self.runner, "mm", None) is not None:  # images' rows from the old tower
+            self.runner.mm.clear_cache()
         self._weights_version = version
 
     def _check_weights_api(self) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 
 from jaxserve.models import registry
@@ -31,8 +32,7 @@ KIND = {"Qwen2VLForConditionalGeneration": "qwen2_vl", "Qwen2_5_VLForConditional
 # where transformers >= 5 saves what older files keep at the top level
 RENAMES = (("model.", "model.language_model."), ("visual.", "model.visual."))
 # the engine flags these models cannot serve yet: (EngineArgs field, the value that is fine, why)
-REFUSED = (("tensor_parallel_size", 1, "the vision tower is not sharded yet"),
-           ("pipeline_parallel_size", 1, "the image rows enter on the first stage only"),
+REFUSED = (("pipeline_parallel_size", 1, "the image rows enter on the first stage only"),
            ("enable_lora", False, "adapters on a vision-language model are not supported yet"),
            ("quantization", None, "the vision tower stays in the model dtype; quantizing the rest is untested"),
            ("batch_invariant", False, "the vision tower's batches are not batch-invariant"))
@@ -73,6 +73,17 @@ def tensor_getter(get: Callable[[str], object]) -> Callable[[str], object]:
 def load_vision(cfg: ModelConfig, get: Callable[[str], object], dtype: jnp.dtype) -> dict:
     """The tower's params (models/vision/qwen2_vl_vision.py), read through tensor_getter's names."""
     return read_vision_params(cfg.vision, tensor_getter(get), dtype, "visual.")
+
+
+def replicate_vision(params: dict, mesh: object | None) -> dict:
+    """Under tensor parallelism the tower is whole on every device (replicated, as `jaxserve plan`
+    counts it): it is small next to the language model, and each device then runs it on the step's
+    images with no collective; the language model is split as llama's (parallel/specs.py)."""
+    if mesh is None or "vision" not in params:
+        return params
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return {**params, "vision": jax.device_put(params["vision"], NamedSharding(mesh, PartitionSpec()))}
 
 
 def refuse_flags(cfg: ModelConfig, args: object, checkpoint_quantization: str | None = None) -> None:

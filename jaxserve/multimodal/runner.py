@@ -165,6 +165,11 @@ class MultiModalRunner:
             self._run(params, grids, [np.zeros((size, self.vision.patch_dim), np.float32)])
         return len(self.buckets)
 
+    def clear_cache(self) -> None:
+        """Forget every image's rows (new weights: engine/weight_sync.py); each is encoded again."""
+        self._cache.clear()
+        self._cached_bytes = 0
+
     def _store(self, key: str, rows: np.ndarray) -> None:
         self._cache[key] = rows
         self._cached_bytes += rows.nbytes

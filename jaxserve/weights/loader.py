@@ -89,6 +89,10 @@ def load_model(model: "str | None | ModelSource" = None, dtype: str = "auto", pr
                                   expert_bits and mesh is None and jdtype == jnp.float32)
     if quant is not None and mesh is not None:
         params = shard_params(params, mesh, cfg)
+    if cfg.vision is not None:  # the vision tower replicated over the mesh (models/qwen2_vl.py)
+        from jaxserve.models.qwen2_vl import replicate_vision
+
+        params = replicate_vision(params, mesh)
     return LoadedModel(cfg, params, _dir_tokenizer(source.tokenizer), name, path, quant and quant.method)
 
 
