@@ -67,8 +67,8 @@ def test_weights_api_covers_the_vision_tower(checkpoint, tmp_path):
 
     on_disk = load_file(str(checkpoint / "model.safetensors"))
     picture = image(84, 112, 0)
-    with LLM(str(checkpoint), progress=False, enforce_eager=True, max_model_len=256, max_num_seqs=4,
-             kv_cache_memory=1 << 20, compilation_cache_dir="", **EXACT) as llm:
+    with LLM(str(checkpoint), progress=False, enforce_eager=True, max_model_len=128, max_num_seqs=4,
+             max_num_batched_tokens=64, kv_cache_memory=1 << 20, compilation_cache_dir="", **EXACT) as llm:
         weights = llm.get_weights()
         assert sorted(weights) == sorted(on_disk)  # visual.* and the language model's, as the file names them
         for name, value in on_disk.items():

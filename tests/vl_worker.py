@@ -20,8 +20,9 @@ def main(path: str, tp: int) -> dict:
     from tests.moe_fixtures import EXACT
     from tests.test_vl_parallel import MAX_TOKENS, prompts
 
-    llm = LLM(str(Path(path)), progress=False, enforce_eager=True, max_model_len=256, max_num_seqs=4,
-              kv_cache_memory=1 << 20, compilation_cache_dir="", tensor_parallel_size=tp, **EXACT)
+    llm = LLM(str(Path(path)), progress=False, enforce_eager=True, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=64, kv_cache_memory=1 << 20, compilation_cache_dir="", tensor_parallel_size=tp,
+              **EXACT)
     with llm:
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
         outs = llm.generate([{"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p

@@ -31,7 +31,8 @@ COMMON = {"norm1": "norm1.weight", "norm2": "norm2.weight", "qkv": "attn.qkv.wei
           "proj": "attn.proj.weight", "proj_b": "attn.proj.bias"}
 QWEN2_VL = {"norm1_b": "norm1.bias", "norm2_b": "norm2.bias", "fc1": "mlp.fc1.weight", "fc1_b": "mlp.fc1.bias",
             "fc2": "mlp.fc2.weight", "fc2_b": "mlp.fc2.bias"}
-QWEN2_5_VL = {f"{p}{s}": f"mlp.{p}_proj.{'bias' if s else 'weight'}" for p in ("gate", "up", "down") for s in ("", "_b")}
+QWEN2_5_VL = {f"{p}{s}": f"mlp.{p}_proj.{'bias' if s else 'weight'}"
+              for p in ("gate", "up", "down") for s in ("", "_b")}
 MERGER = {"norm": "merger.ln_q.weight", "fc1": "merger.mlp.0.weight", "fc1_b": "merger.mlp.0.bias",
           "fc2": "merger.mlp.2.weight", "fc2_b": "merger.mlp.2.bias"}
 
