@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxserve.models.expert_weights import LAYER_VIEWS, with_layer_views
+from jaxserve.models.expert_weights import BF16_BITS, LAYER_VIEWS, with_layer_views
 from jaxserve.parallel.jit import fresh_jit
 from jaxserve.quantization.qweight import QuantizedWeight
 from jaxserve.quantization.quantize import LINEAR_LEAVES, calibration_ids, quantize_params, quantize_weight
@@ -75,21 +75,14 @@ class WeightSync:
     def _to_hf(self, params: Mapping) -> dict[str, jax.Array]:
         cfg = self.model.config
         names = hf_names.name_map(cfg)
-        mapped = {t.leaf: t.transpose for t in names.values() if t.layer is not None}
         out = {TOP_LEVEL[k][0]: params[k] for k in ("embed", "final_norm")}
         if "lm_head.weight" in names:  # untied (an int8 engine's lm_head of a tied model is embed's)
             out["lm_head.weight"] = self._program(("head",), lambda h: hf_names.float_layers(
                 {"h": h}, cfg, self.model_dtype)["h"].T)(params["lm_head"])
-
-        def unstack(layers):
-            floats = hf_names.float_layers(layers, cfg, self.model_dtype)
-            return {leaf: hf_names.unstack_leaf(floats[leaf], t) for leaf, t in mapped.items()}
-
-        per_leaf = self._program(("unstack",), unstack)({k: v for k, v in params["layers"].items()
-                                                         if k in mapped or k in FUSED})
-        inverse = hf_names.leaf_names(names)
-        for leaf, arrays in per_leaf.items():
-            out.update({inverse[(leaf, i)]: a for i, a in enumerate(arrays)})
+        leaves = {p.leaf for t in names.values() for p in t.parts if p.index}
+        layers = {k: v for k, v in params["layers"].items() if k in leaves or k in FUSED}
+        out.update(self._program(("unstack",), lambda layers: hf_names.to_hf(
+            hf_names.float_layers(layers, cfg, self.model_dtype), names))(layers))
         if "vision" in params:  # a vision-language model's tower (weights/hf_names_vl.py)
             out.update(hf_names_vl.to_hf(cfg.vision, params["vision"], self.model_dtype, self._program))
         return out
@@ -115,6 +108,7 @@ class WeightSync:
         """update_weights from a directory: Hugging Face safetensors or a `jaxserve convert` checkpoint
         of the same architecture and config (ValueError saying what differs; old weights kept)."""
         from jaxserve.models.config import with_expert_parallel
+        from jaxserve.models.longrope import for_max_model_len
         from jaxserve.weights.checkpoint import load_checkpoint_params
         from jaxserve.weights.safetensors_dir import tensor_reader
         from jaxserve.weights.source import describe_path
@@ -133,8 +127,10 @@ class WeightSync:
         if source.quantization is not None:
             raise ValueError(f"model_path: {path} is a {source.quantization} checkpoint; update_weights takes "
                              "float weights (the engine quantizes them itself under --quantization)")
-        check_same_config(with_expert_parallel(source.config, self.args.enable_expert_parallel),
-                          self.model.config, path)
+        # as the engine made its own: the expert-parallel flag, LongRoPE's factor set for its max_model_len
+        got = for_max_model_len(with_expert_parallel(source.config, self.args.enable_expert_parallel),
+                                self.max_model_len)
+        check_same_config(got, self.model.config, path)
         if source.format == "checkpoint":  # the float tree: adopted as it is, or by name into a quantized engine
             params = load_checkpoint_params(path, self.model_dtype)
             self.update_weights(self._to_hf(params) if self.args.quantization else params, version=version)
@@ -163,32 +159,32 @@ class WeightSync:
         cfg, dtype = self.model.config, self.model_dtype
         names = hf_names.name_map(cfg)
         given = hf_names.check_named(weights, names)
-        inverse = hf_names.leaf_names(names)
         quant = self._on_load_quantization()
         if quant == "int8" and len(weights) < len(names):
             missing = next(n for n in names if n not in weights)
             raise ValueError(f"{missing}: missing; an --quantization int8 engine smooths every layer together "
                              f"(SmoothQuant), so it takes every parameter at once ({len(names) - len(weights)} "
                              "missing)")
+        shapes = hf_names.param_shapes(cfg)
         new_top, new_layers, flags = {}, {}, []
         for leaf, g in given.items():
             top = leaf in TOP_LEVEL
             old = current[leaf] if top else current["layers"].get(leaf)
-            layers = sorted(g.arrays, key=lambda i: -1 if i is None else i)
-            if not top and len(layers) < cfg.num_layers and not isinstance(old, jax.Array):
-                missing = next(i for i in range(cfg.num_layers) if i not in g.arrays)
+            shape = tuple(shapes[leaf] if top else shapes["layers"][leaf])
+            whole = g.covers(shape)
+            if not whole and not isinstance(old, jax.Array):
+                missing = next(n for n, t in names.items() if n not in weights and any(p.leaf == leaf for p in t.parts))
                 why = ("a quantized engine requantizes it whole" if isinstance(old, QuantizedWeight) else
                        "the engine's weights were dropped by sleep(level=2)")
-                raise ValueError(f"{inverse[(leaf, missing)]}: missing; {why}, so give all {cfg.num_layers} "
-                                 f"layers of layers/{leaf}")
-            target = _float_target(old, current)
-            arr, finite = self._assemble(g, old, layers, target, top, cfg.num_layers, dtype)
-            flags.append((leaf, layers, finite))
+                raise ValueError(f"{missing}: missing; {why}, so give every parameter of layers/{leaf}")
+            leaf_dtype = old.dtype if isinstance(old, jax.Array) and old.dtype == BF16_BITS else dtype
+            arr, finite = self._assemble(g, None if whole else old, _float_target(old, current), shape, leaf_dtype)
+            flags.append((g, finite))
             (new_top if top else new_layers)[leaf] = arr
-        for (leaf, layers, _), finite in zip(flags, jax.device_get([f for _, _, f in flags])):
+        for (g, _), finite in zip(flags, jax.device_get([f for _, f in flags])):
             bad = np.flatnonzero(~np.asarray(finite))
             if bad.size:
-                raise ValueError(f"{inverse[(leaf, layers[bad[0]])]}: non-finite values (NaN or inf)")
+                raise ValueError(f"{g.parts[bad[0]][0]}: non-finite values (NaN or inf)")
         new = {**current, **new_top, "layers": {**current["layers"], **new_layers}}
         if quant == "fp8":
             new["layers"] = {k: place_like(quantize_weight(v, "fp8"), current["layers"][k])
@@ -197,25 +193,24 @@ class WeightSync:
             new = self._int8(new, current)
         return new
 
-    def _assemble(self, g: Given, old, layers: list, target, top: bool, num_layers: int, dtype) -> tuple:
-        """One leaf's new array (float, on `target`) and its finite flags per given part."""
-        whole = top or len(layers) == num_layers
+    def _assemble(self, g: Given, base, target, shape: tuple[int, ...], dtype) -> tuple:
+        """One leaf's new array (on `target`; into `base` where the parts cover only some of it) and its
+        finite flags per given part."""
         engine_devices = set(target.device_set)
-        parts = [a if isinstance(a, np.ndarray) or set(a.devices()) <= engine_devices else np.asarray(a)
-                 for a in (g.arrays[i] for i in layers)]
-        if whole and all(isinstance(p, np.ndarray) for p in parts):
-            host, finite = hf_names.host_stack(Given(g.leaf, g.transpose, dict(zip(layers, parts))), num_layers,
-                                               dtype)
+        values = [a if isinstance(a, np.ndarray) or set(a.devices()) <= engine_devices else np.asarray(a)
+                  for _, _, a in g.parts]
+        if base is None and all(isinstance(v, np.ndarray) for v in values):
+            host, finite = hf_names.host_leaf(g, shape, dtype)
             return jax.device_put(host, target), finite
-        ndim = len(_shape_of(old)) if old is not None else parts[0].ndim + 1
-        part_target = _part_sharding(target, ndim, g.transpose, top)
-        parts = tuple(p if isinstance(p, jax.Array) and p.sharding == part_target
-                      else jax.device_put(p, part_target) for p in parts)
+        parts = tuple(p for _, p, _ in g.parts)
+        placed = []
+        for v, p in zip(values, parts):
+            part_target = _part_sharding(target, len(shape), p)
+            keep = isinstance(v, jax.Array) and v.sharding == part_target
+            placed.append(v if keep else jax.device_put(v, part_target))
         program = self._program(("assemble", target), hf_names.assemble_fn, out_shardings=(target, None),
-                                static_argnames=("layers", "transpose", "dtype", "top"))
-        base = None if whole else old
-        return program(base, parts, layers=None if whole else tuple(layers), transpose=g.transpose,
-                       dtype=jnp.dtype(dtype), top=top)
+                                static_argnames=("parts", "shape", "dtype"))
+        return program(base, tuple(placed), parts=parts, shape=shape, dtype=jnp.dtype(dtype))
 
     def _int8(self, new: dict, current: dict) -> dict:
         """SmoothQuant over the whole float tree, then each leaf placed as the served one."""
@@ -264,12 +259,12 @@ class WeightSync:
     def _tree_name(self, name: str, path: tuple, index: int) -> str:
         """A tree leaf's error name: its HF name too where it has one (weights['layers']['wq'], layer 3)."""
         keys = [getattr(k, "key", None) for k in path]
-        leaf, layer = (keys[1], index) if keys[0] == "layers" and len(keys) == 2 else (keys[0], None)
+        leaf, at = (keys[1], (index,)) if keys[0] == "layers" and len(keys) == 2 else (keys[0], ())
         try:
-            hf = hf_names.leaf_names(hf_names.name_map(self.model.config)).get((leaf, layer))
+            hf = hf_names.leaf_names(hf_names.name_map(self.model.config)).get((leaf, at))
         except ValueError:
             hf = None
-        where = f"{name}[{index}]" if layer is not None else name
+        where = f"{name}[{index}]" if at else name
         return f"{hf} ({where})" if hf else where
 
     # ---- applying ---------------------------------------------------------------------------------
@@ -339,10 +334,6 @@ def place_like(new, old):
     return jax.device_put(new, old.sharding)
 
 
-def _shape_of(leaf) -> tuple[int, ...]:
-    return tuple(leaf.values.shape if isinstance(leaf, QuantizedWeight) else leaf.shape)
-
-
 def _float_target(old, current: dict):
     """Where a leaf's float form is assembled: the served leaf's sharding (a quantized one's values'),
     or, for an int8 engine's unfused leaves, the fused leaf's."""
@@ -351,14 +342,18 @@ def _float_target(old, current: dict):
     return (old.values if isinstance(old, QuantizedWeight) else old).sharding
 
 
-def _part_sharding(target, ndim: int, transpose: bool, top: bool):
-    """The sharding of one HF-layout part of an `ndim` leaf placed on `target`: the leaf's spec without
-    the layer axis, reversed for a transposed weight, so each device is sent only the slice it keeps."""
+def _part_sharding(target, ndim: int, part: hf_names.Part):
+    """The sharding of one part's HF array placed for a leaf of `ndim` axes on `target`: the leaf's spec
+    without the part's index axes (last two swapped for a transposed weight), so each device is sent only
+    the slice it keeps; a cut (fused, reshaped) tensor replicated, as its slices do not line up."""
     if not isinstance(target, NamedSharding):
         return target
-    spec = tuple(target.spec) + (None,) * (ndim - len(tuple(target.spec)))
-    spec = spec if top else spec[1:]
-    return NamedSharding(target.mesh, PartitionSpec(*(spec[::-1] if transpose else spec)))
+    if not part.cut.whole:
+        return NamedSharding(target.mesh, PartitionSpec())
+    spec = (tuple(target.spec) + (None,) * ndim)[:ndim][len(part.index):]
+    if part.cut.transpose:
+        spec = spec[:-2] + spec[-2:][::-1]
+    return NamedSharding(target.mesh, PartitionSpec(*spec))
 
 
 class AsyncWeightSync:

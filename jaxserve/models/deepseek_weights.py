@@ -27,6 +27,7 @@ import numpy as np
 from jaxserve.models import mla
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.moe_layers import takes_linear
+from jaxserve.models.tensor_cuts import Cut, with_cuts
 from jaxserve.quantization.qweight import QuantizedWeight
 
 KV_A = "self_attn.kv_a_proj_with_mqa"
@@ -41,7 +42,8 @@ def kv_a_reader(cfg: ModelConfig) -> Callable:
         if linear is not None:
             return linear(prefix + KV_A, (cfg.hidden_size, m.cache_width))
         return np.asarray(get(prefix + KV_A + ".weight")).T
-    return takes_linear(read)
+    shape = (m.cache_width, cfg.hidden_size)  # the weights API's name: the float tensor, [out, in]
+    return with_cuts(takes_linear(read), lambda prefix: (Cut(prefix + KV_A + ".weight", shape, transpose=True),))
 
 
 def kv_b_reader(cfg: ModelConfig, which: int) -> Callable:
@@ -56,7 +58,10 @@ def kv_b_reader(cfg: ModelConfig, which: int) -> Callable:
             w = host_dense(linear(prefix + KV_B, (m.kv_lora_rank, cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim))))
         w = w.reshape(cfg.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, :m.qk_nope_head_dim] if which == 0 else w[:, m.qk_nope_head_dim:]
-    return takes_linear(read)
+    rows, nope = m.qk_nope_head_dim + m.v_head_dim, m.qk_nope_head_dim  # the weights API's name: kv_b_proj whole
+    return with_cuts(takes_linear(read), lambda prefix: (Cut(
+        prefix + KV_B + ".weight", (cfg.num_heads * rows, m.kv_lora_rank), view=(cfg.num_heads, rows, m.kv_lora_rank),
+        axis=1, start=0 if which == 0 else nope, stop=nope if which == 0 else rows),))
 
 
 def host_dense(w: QuantizedWeight) -> np.ndarray:

@@ -44,6 +44,7 @@ from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import ATTENTION_TENSORS, attention_shapes, sliding_flag
 from jaxserve.models.moe import Experts, Router, moe
 from jaxserve.models.moe_layers import MODEL_AXIS, moe_config, moe_partition_rules
+from jaxserve.models.tensor_cuts import Cut, with_cuts
 from jaxserve.quantization.mxfp4 import Mxfp4Weight, from_hub
 
 
@@ -115,6 +116,9 @@ def partition_rules(cfg: ModelConfig, tp: int) -> dict:
 
 
 def layer_tensors(cfg: ModelConfig) -> dict:
+    m = _moe(cfg)
+    H, E, I = cfg.hidden_size, m.num_experts, m.moe_intermediate_size
+
     def fused(name: str, columns: slice | None):
         def read(get, prefix: str) -> np.ndarray | Mxfp4Weight:
             base = f"{prefix}mlp.experts.{name}"
@@ -128,7 +132,12 @@ def layer_tensors(cfg: ModelConfig) -> dict:
                 return arr if columns is None else arr[..., columns]  # a bias [E, out]
             scales = np.asarray(get(base + "_scales"))
             return from_hub(*((blocks, scales) if columns is None else (blocks[:, columns], scales[:, columns])))
-        return read
+        # the weights API's name: the float tensor as transformers holds it, a weight [E, in, out], a bias [E, out]
+        shape = {"gate_up_proj": (E, H, 2 * I), "down_proj": (E, I, H), "gate_up_proj_bias": (E, 2 * I),
+                 "down_proj_bias": (E, H)}[name]
+        sl = columns or slice(0, None, 1)
+        return with_cuts(read, lambda prefix: (Cut(f"{prefix}mlp.experts.{name}", shape, axis=len(shape) - 1,
+                                                   start=sl.start, step=sl.step, transpose=len(shape) == 3),))
 
     even, odd = slice(0, None, 2), slice(1, None, 2)
     return {**ATTENTION_TENSORS, **sliding_flag(cfg),

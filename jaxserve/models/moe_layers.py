@@ -32,6 +32,7 @@ from jaxserve.models.config import ModelConfig, MoeConfig, num_experts_from_hf
 from jaxserve.models.layer_kinds import mixed_ffn, stack_shapes
 from jaxserve.models.llama import attention_shapes, dense_mlp, mlp_shapes
 from jaxserve.models.moe import Experts, Router, moe
+from jaxserve.models.tensor_cuts import Cut, with_cuts
 from jaxserve.quantization.qweight import fp8_block, stack, transposed
 
 MODEL_AXIS = "model"
@@ -135,6 +136,13 @@ def expert_readers(cfg: ModelConfig, blocks: tuple[str, ...], per_expert: tuple[
     def router(get, prefix: str) -> np.ndarray:
         return np.asarray(get(f"{prefix}{block(get, prefix)}.gate.weight")).T  # [E, H] -> [H, E]
 
+    H = cfg.hidden_size
+    shapes = ((I, H), (I, H), (H, I))  # gate, up, down: each expert [out, in]
+
+    def expert_cuts(which: int) -> Callable:  # the weights API's names: the hub's per-expert tensors
+        return lambda prefix: tuple(Cut(f"{prefix}{blocks[0]}.experts.{e}.{per_expert[which]}.weight", shapes[which],
+                                        expert=e) for e in range(E))
+
     def expert(which: int) -> Callable:
         def read(get, prefix: str, linear=None):
             base = f"{prefix}{block(get, prefix)}.experts."
@@ -147,8 +155,9 @@ def expert_readers(cfg: ModelConfig, blocks: tuple[str, ...], per_expert: tuple[
             if which == 2:
                 return fused  # [E, H, I]
             return fused[:, :I] if which == 0 else fused[:, I:]  # [E, I, H]
-        return takes_linear(read)
+        return with_cuts(takes_linear(read), expert_cuts(which))
 
+    router = with_cuts(router, lambda prefix: (Cut(f"{prefix}{blocks[0]}.gate.weight", (E, H), transpose=True),))
     return {"router": router, "we_gate": expert(0), "we_up": expert(1), "we_down": expert(2)}
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from jaxserve.models import registry
 from jaxserve.models.config import ModelConfig
 from jaxserve.models.llama import ATTENTION_TENSORS, MLP_TENSORS, _param_shapes, dense_mlp, dense_partition_rules
+from jaxserve.models.tensor_cuts import Cut, with_cuts
 
 QKV = "self_attn.qkv_proj.weight"
 GATE_UP = "mlp.gate_up_proj.weight"
@@ -40,22 +41,25 @@ def config_fields(hf: Mapping, arch: str) -> dict:
     return {"partial_rotary_factor": factor, "attention_bias": False}
 
 
-def rows(name: str, start: int, stop: int, total: int):
-    """A reader of rows [start, stop) of the fused tensor `name` [total, in] (under the layer's
-    prefix), as the [in, out] leaf the model multiplies by."""
+def rows(name: str, start: int, stop: int, total: int, width: int):
+    """A reader of rows [start, stop) of the fused tensor `name` [total, width] (under the layer's
+    prefix), as the [in, out] leaf the model multiplies by (its cut: the weights API's names)."""
     def read(get, prefix: str) -> np.ndarray:
         w = np.asarray(get(prefix + name))
         if w.ndim != 2 or w.shape[0] != total:
             raise ValueError(f"tensor {prefix + name!r} has shape {w.shape}; expected {total} rows (fused)")
         return w[start:stop].T
-    return read
+    return with_cuts(read, lambda prefix: (Cut(prefix + name, (total, width), start=start, stop=stop,
+                                                 transpose=True),))
 
 
 def layer_tensors(cfg: ModelConfig) -> dict:
-    nq, nkv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    nq, nkv, inter, h = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size, \
+        cfg.hidden_size
     qkv = nq + 2 * nkv
-    fused = {"wq": rows(QKV, 0, nq, qkv), "wk": rows(QKV, nq, nq + nkv, qkv), "wv": rows(QKV, nq + nkv, qkv, qkv),
-             "w_gate": rows(GATE_UP, 0, inter, 2 * inter), "w_up": rows(GATE_UP, inter, 2 * inter, 2 * inter)}
+    fused = {"wq": rows(QKV, 0, nq, qkv, h), "wk": rows(QKV, nq, nq + nkv, qkv, h),
+             "wv": rows(QKV, nq + nkv, qkv, qkv, h),
+             "w_gate": rows(GATE_UP, 0, inter, 2 * inter, h), "w_up": rows(GATE_UP, inter, 2 * inter, 2 * inter, h)}
     return {**ATTENTION_TENSORS, **MLP_TENSORS, **fused}
 
 
