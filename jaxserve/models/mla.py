@@ -22,10 +22,10 @@ given as both K and V; its value columns past R (P . k_pe) are dropped, 64 of 57
 the value product than a kernel that skips them. On the Pallas backends (GPUs) a decode-only step
 runs the MLA decode kernel instead (pallas_kernels/mla_decode.py, FlashMLA's design: one read of each
 latent block for all the heads of a sequence, split-K); prefill and mixed steps keep the XLA path.
-Prefill takes the same absorbed form: one path over the latent pool, whatever part of a prompt is
-cached. The expanded form does fewer flops per score (nope + rope and v against R + rope twice) once
-a prefill is long, at the price of up-projecting the cached context's K and V (scripts/bench_mla.py
-measures the decode step of both).
+A short prefill takes the same absorbed form; a long one the expanded form (models/mla_prefill.py:
+fewer flops per score, nope + rope and v against R + rope twice, at the price of up-projecting the
+context's K and V, chunk by chunk; the rule and its CPU measurement are there). scripts/bench_mla.py
+measures the decode step of both, scripts/bench_mla_prefill.py the prefill.
 """
 
 from __future__ import annotations
