@@ -21,6 +21,8 @@ from typing import Protocol
 
 import numpy as np
 
+from jaxserve.bench import random_mm
+
 # Plain English words: most are one token with a leading space in BPE vocabularies.
 WORDS = ("time year people way day man thing woman life child world school state family student group "
          "country problem hand part place case week company system program question work government number "
@@ -272,8 +274,6 @@ def add_dataset_args(parser) -> None:
     g.add_argument("--suffix-len", type=int, default=64)
     g.add_argument("--num-prefixes", type=int, default=4)
     g.add_argument("--prefix-repetition-output-len", type=int, default=64)
-    from jaxserve.bench import random_mm  # noqa: PLC0415  (it imports this module)
-
     random_mm.add_args(g)
 
 
@@ -290,9 +290,9 @@ def build_requests(args, tokenizer: Tokenizer, as_ids: bool) -> list[SampleReque
                                   getattr(args, "lognormal_input_range", LOGNORMAL_INPUT_RANGE),
                                   getattr(args, "lognormal_output_range", LOGNORMAL_OUTPUT_RANGE), args.seed, as_ids)
     if args.dataset_name == "random-mm":
-        from jaxserve.bench.random_mm import random_mm_requests  # noqa: PLC0415  (it imports this module)
-
-        return random_mm_requests(args, tokenizer)
+        return random_mm.add_images(random_requests(tokenizer, args.num_prompts, args.random_input_len,
+                                                    args.random_output_len, args.random_range_ratio, args.seed,
+                                                    as_ids=False), args)
     if args.dataset_name == "prefix-repetition":
         return prefix_repetition_requests(tokenizer, args.num_prompts, args.prefix_len, args.suffix_len,
                                           args.num_prefixes, args.prefix_repetition_output_len, args.seed,

@@ -24,8 +24,6 @@ import math
 
 import numpy as np
 
-from jaxserve.bench import datasets as ds
-
 DEFAULT_LIMITS = '{"image": 255, "video": 1}'
 DEFAULT_BUCKETS = "{(256, 256, 1): 0.5, (720, 1280, 1): 0.5, (720, 1280, 16): 0.0}"
 Bucket = tuple[int, int, int]
@@ -120,12 +118,11 @@ def check_args(args) -> tuple[dict[str, int], dict[Bucket, float], tuple[int, in
                                         args.random_mm_num_mm_items_range_ratio, limits)
 
 
-def random_mm_requests(args, tokenizer: ds.Tokenizer) -> list[ds.SampleRequest]:
-    """The `random` dataset's text prompts, each with its images (SampleRequest.multi_modal_data)."""
+def add_images(requests: list, args) -> list:
+    """The `random` dataset's requests (bench/datasets.py's SampleRequest), each given its images
+    (SampleRequest.multi_modal_data) as the random-mm flags draw them."""
     limits, buckets, (lo, hi) = check_args(args)
     cap = limits.get("image", 0)  # the only modality drawn: past its cap, nothing is left to draw (vLLM)
-    requests = ds.random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
-                                  args.random_range_ratio, args.seed, as_ids=False)
     rng = np.random.default_rng(args.seed + 1)  # not the text's stream: the same prompts as `random`
     keys, probs = list(buckets), np.asarray(list(buckets.values()))
     for req in requests:
@@ -135,7 +132,7 @@ def random_mm_requests(args, tokenizer: ds.Tokenizer) -> list[ds.SampleRequest]:
     return requests
 
 
-def engine_prompts(llm, requests: list[ds.SampleRequest]) -> list[dict]:
+def engine_prompts(llm, requests: list) -> list[dict]:
     """`bench throughput`: each request as LLM.chat builds it (its images decoded from the data URLs by
     the engine's media loader, the chat template applied), for LLM.generate."""
     from jaxserve.multimodal.chat import chat_images
