@@ -21,6 +21,46 @@ PROMPTS = [
 ]
 
 
+# --- test engines compile only what they run --------------------------------------------------------
+# An engine's warm-up compiles every token bucket, decode bucket and sampler variant: most tests run a
+# few prompts and need a handful of those programs, so by default a test's engine starts with
+# enforce_eager (the same programs, compiled on first use). A test or module that holds the warm-up's
+# guarantee (0 compilations after it) is marked `@pytest.mark.warmup` and gets the engine as built.
+_WARMUP = {"module": False, "test": False}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _eager_unless_warmup():
+    import dataclasses
+
+    from jaxserve.engine.llm_engine import LLMEngine
+
+    init = LLMEngine.__init__
+
+    def eager_init(self, args, *a, **kw):
+        if not (_WARMUP["module"] or _WARMUP["test"]) and not args.enforce_eager:
+            args = dataclasses.replace(args, enforce_eager=True)
+        init(self, args, *a, **kw)
+
+    LLMEngine.__init__ = eager_init
+    yield
+    LLMEngine.__init__ = init
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _warmup_module(request, _eager_unless_warmup):
+    _WARMUP["module"] = request.node.get_closest_marker("warmup") is not None  # the module's pytestmark
+    yield
+    _WARMUP["module"] = False
+
+
+@pytest.fixture(autouse=True)
+def _warmup_test(request, _warmup_module):
+    _WARMUP["test"] = request.node.get_closest_marker("warmup") is not None
+    yield
+    _WARMUP["test"] = False
+
+
 @pytest.fixture(scope="session")
 def default_gguf():
     return default_model_path()

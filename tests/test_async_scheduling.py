@@ -52,6 +52,7 @@ def workload() -> tuple[list[str], list[SamplingParams]]:
     return prompts + [PROMPTS[5]] * 2, [params[i % len(params)] for i in range(24)] + [tail] * 2
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_async_outputs_equal_sync(name, jax_default_model, workload):
     prompts, params = workload

@@ -61,6 +61,7 @@ def test_bench_latency(tmp_path, capsys):
     assert "99% percentile latency" in capsys.readouterr().out
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_bench_batching(tmp_path, capsys):
     out = tmp_path / "b.json"
     assert cli_main(["bench", "batching", "--num-prompts", "10", "--input-median", "16", "--output-median", "8",

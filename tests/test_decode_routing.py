@@ -73,6 +73,7 @@ def _generate(backend: str, max_num_seqs: int, monkeypatch, async_scheduling: bo
 
 # 32 sequence rows: a decode step's 16 token rows are the metadata's first 16 (the GPU's case; fewer
 # than 16 rows would pad them instead, which the export test below lowers).
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 @pytest.mark.parametrize("max_num_seqs", [32])
 def test_engine_pallas_decode_routing_matches_xla(max_num_seqs, monkeypatch):
     want, xla_flags = _generate("reference", max_num_seqs, monkeypatch)

@@ -9,6 +9,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from tests.conftest import PROMPTS
 
+pytestmark = pytest.mark.warmup  # its engines hold 0 compilations after warm-up (tests/conftest.py)
 # 64 requests: the 8 reference prompts x 8 output lengths between 6 and 48 tokens.
 MAX_TOKENS = [6, 48, 12, 40, 20, 33, 9, 27]
 REQUESTS = [(p, MAX_TOKENS[(i + j) % 8]) for j in range(8) for i, p in enumerate(PROMPTS)]

@@ -126,6 +126,7 @@ def test_engine_matches_the_float32_engine_on_the_default_model() -> None:
                           what="--quantization gguf")
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_one_sequence_decodes_on_one_row_with_no_compilation_after_warm_up() -> None:
     """The start-up report's weight bytes count the tied head once (they counted it twice: 244 MiB
     against 142.7). A one-sequence decode step runs the 1-token model bucket and the 1-row sampler

@@ -90,6 +90,7 @@ def test_yarn_frequencies_equal_transformers(checkpoint):
         assert abs(attention_scale(ours) - scale) < 1e-12
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_one_device_greedy_equals_transformers(checkpoint, tmp_path):
     path, reference, ref_logprobs = checkpoint
     # the window matters for these prompts: transformers with every layer full answers otherwise
@@ -185,6 +186,7 @@ def test_biased_clamped_experts_on_every_path(num_tokens):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-3 * np.abs(want).max())
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_checkpoint):
     """gpt-oss's MXFP4 hub format: the experts stay packed in device memory (Mxfp4Weight, at most
     0.3x their bfloat16 bytes), unpacked inside the expert matmuls; transformers' greedy tokens and logprobs."""
@@ -209,6 +211,7 @@ def test_mxfp4_hub_layout_kept_packed_equals_transformers(checkpoint, mxfp4_chec
         engine.shutdown()
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_pallas_interpret_backend_equals_transformers(checkpoint, monkeypatch):
     """The model on the Pallas backend in interpret mode (this CPU running the kernels' own code): the
     attention kernels with sinks and the per-layer window as data, the grouped expert matmul with the

@@ -26,6 +26,7 @@ from tests.conftest import ENGINE
 from tests.logprob_parity import assert_logprobs_close, generated_logprobs
 from tests.lora_helpers import ADAPTERS, NUM_TOKENS, make_adapters
 
+pytestmark = pytest.mark.warmup  # its engines hold 0 compilations after warm-up (tests/conftest.py)
 # the exact float32 configuration (conftest's ENGINE, no n-gram drafts), 3 slots of rank 16, 3 host copies
 LORA_ENGINE = dict(ENGINE, speculative_config={}, enable_lora=True, max_loras=3, max_lora_rank=16, max_cpu_loras=3)
 # ignore_eos: peft's reference generates past EOS (conftest's hf_default_model), always NUM_TOKENS tokens

@@ -151,6 +151,7 @@ def _generate(adapters: dict[str, str], monkeypatch, use_kernel: bool) -> tuple[
     return tokens, logprobs, len(calls)
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_engine_kernel_path_matches_xla_in_interpret_mode(tiny_adapters, monkeypatch):
     want, want_lps, xla_calls = _generate(tiny_adapters, monkeypatch, use_kernel=False)
     got, got_lps, kernel_calls = _generate(tiny_adapters, monkeypatch, use_kernel=True)

@@ -22,6 +22,7 @@ from tests.logprob_parity import assert_logprobs_close
 from tests.moe_fixtures import CHECKPOINTS, MAX_TOKENS, PROMPTS, engine_run, hf_reference, make_engine, save_checkpoint
 from tests.moe_worker import SETTINGS
 
+pytestmark = pytest.mark.warmup  # its engines hold 0 compilations after warm-up (tests/conftest.py)
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -21,6 +21,7 @@ from jaxserve.entrypoints.openai.api_server import build_app
 from jaxserve.engine.async_llm import AsyncLLM
 from tests.fake_engine import FakeAsyncLLM, serve_in_thread
 
+pytestmark = pytest.mark.warmup  # its engines hold 0 compilations after warm-up (tests/conftest.py)
 MODEL_DIR = os.path.join(os.path.dirname(minilm.__file__), "model")
 LONG = " ".join(f"word{i % 37} and" for i in range(70))  # about 200 WordPiece tokens
 TEXTS = ["", "Hello, world!", "Crème brûlée à la française, s'il vous plaît", "emoji 🤗🚀 and 日本語のテキスト",

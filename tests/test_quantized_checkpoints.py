@@ -182,6 +182,7 @@ def test_quantization_flag_checks_the_checkpoint(checkpoints, float_models, tmp_
             load_model(str(bad), dtype="float32", progress=False)
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 @pytest.mark.parametrize("case", ["gptq4_actorder_asym", "ct_fp8_dynamic"])
 def test_engine_serves_a_quantized_checkpoint_without_recompiling(checkpoints, case) -> None:
     from jaxserve import LLM, SamplingParams

@@ -32,7 +32,7 @@ from jaxserve.worker.sizing import cpu_has_bf16_dots
 from tests.conftest import (CHAT_TOKENS, CHATS, ENGINE, GREEDY_PROMPTS, GREEDY_TOKENS, MAX_MODEL_LEN, MODEL, PROMPTS,
                             Served)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.warmup]  # warmup: its engines hold 0 compilations after warm-up
 
 @pytest.fixture(scope="module")
 def client(served: Served) -> openai.OpenAI:

@@ -9,6 +9,7 @@ import json
 import re
 
 import jsonschema
+import pytest
 
 from jaxserve import LLM, SamplingParams, StructuredOutputsParams
 
@@ -20,6 +21,7 @@ REGEX = "(abc ){6}end"
 CONTEXT = "Some context about the weather in the mountains and by the sea, today and tomorrow. " * 2
 
 
+@pytest.mark.warmup  # holds 0 compilations after warm-up
 def test_grammars_under_async_drafts_and_preemption(jax_default_model) -> None:
     llm = LLM(jax_default_model, progress=False, max_model_len=96, block_size=8, num_gpu_blocks_override=12,
               max_num_seqs=16, max_num_batched_tokens=128, dtype="float32", async_scheduling=True,

@@ -23,7 +23,7 @@ from jaxserve.entrypoints.openai.api_server import build_app
 from tests.conftest import MODEL, OFFLINE_SCHEMA, Served
 from tests.fake_engine import serve_in_thread
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.warmup]  # warmup: its engines hold 0 compilations after warm-up
 
 NAME = {"type": "string", "maxLength": 12}
 SCHEMAS: list[dict] = [
