@@ -73,9 +73,10 @@ def serve_lora(dp: DataParallelAsyncLLM, base: str, refs: dict) -> dict:
 def main(model_dir: str, refs_path: str) -> None:
     refs = json.loads(open(refs_path).read())
     model = load_model(model_dir, "float32", progress=False)
-    ref = LLM(model, progress=False, **ENGINE).generate([{"prompt_token_ids": p} for p in PROMPTS],
-                                                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
-                                                        use_tqdm=False)
+    # the one-replica reference compiles only what it runs (the replicas hold the warm-up)
+    ref = LLM(model, progress=False, enforce_eager=True, **ENGINE).generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+        use_tqdm=False)
     results = {}
     for layout, split in (("tp", dict(tensor_parallel_size=2)), ("pp", dict(pipeline_parallel_size=2))):
         lora = LORA if layout == "tp" else {}

@@ -162,7 +162,8 @@ def main(argv: list[str]) -> None:
 
         from jaxserve.engine.llm_engine import LLMEngine
 
-        result = drive(LLMEngine(EngineArgs(model=model_dir, **ENGINE), progress=False))
+        # the reference compiles only what it runs (the ranks hold the warm-up)
+        result = drive(LLMEngine(EngineArgs(model=model_dir, enforce_eager=True, **ENGINE), progress=False))
         result["num_devices"] = jax.device_count()
     else:
         port, rank = argv[3:5]
