@@ -25,6 +25,14 @@
 #                      and 64 sequences; the grouped matmul kernel vs ragged_dot at decode sizes (scripts/gpu_moe.py)
 #   embed_bert         BERT embeddings, random weights of all-MiniLM-L6-v2's and a bge-base-like shape:
 #                      requests/s and tokens/s at batch 64 of ~128 tokens, engine and program alone (scripts/gpu_embed.py)
+#   deepseek_v2_lite   DeepSeek-V2-Lite's shape (MLA, 64 experts top-6, 2 shared), random bf16: 200 requests of
+#                      1,000 in / 100 out, all at t=0 (vLLM PR #10927's workload): req/s, output tok/s, mean TTFT
+#                      beside vLLM's 18.5 req/s on an H100 (scripts/gpu_deepseek.py; the MLA decode kernel decodes)
+#   qwen25vl_3b        Qwen2.5-VL-3B's shape, random bf16: 100 random-mm prompts (320 text tokens, one image of vLLM's
+#                      default buckets, 40 out) at concurrency 10 through AsyncLLM in process (no HTTP server on the
+#                      GPU image), max_pixels 1003520; vLLM PR #23119: 5.61 req/s, mean TTFT 1.54 s (scripts/gpu_vl.py)
+# The last stages fit no default DEADLINE after the others: run them alone with
+#   STAGES="deepseek_v2_lite qwen25vl_3b" DEADLINE=530 scripts/gpu_check.sh   (each 1-4 min, a guess: unmeasured)
 # Needs python3 with jax (+ CUDA), numpy, transformers, tokenizers, tqdm, pyyaml, flax (the H200 image has
 # them) and three the image lacks, carried as wheels: pydantic (EngineArgs), qwix (quantize-on-load),
 # llguidance (structured outputs), with pydantic's own needs. The engine path here imports no gguf,
@@ -153,5 +161,10 @@ stage moe30b 240 "$PYTHON" scripts/gpu_moe.py $([ "$SMOKE" = 1 ] && echo --cpu-s
 stage embed_bert 120 "$PYTHON" scripts/gpu_embed.py --compilation-cache-dir "$CACHE" $([ "$SMOKE" = 1 ] && echo --cpu-smoke)
 stage warmup_cost 45 env -u JAX_COMPILATION_CACHE_DIR "$PYTHON" scripts/warmup_cost.py $COST \
   --backend $([ "$SMOKE" = 1 ] && echo pallas-interpret || echo pallas)
+# DeepSeek-V2-Lite's shape at vLLM PR #10927's 1000 in / 100 out; Qwen2.5-VL-3B's at PR #23119's random-mm (conc. 10)
+stage deepseek_v2_lite 240 "$PYTHON" scripts/gpu_deepseek.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke) \
+  --compilation-cache-dir "$CACHE"
+stage qwen25vl_3b 240 "$PYTHON" scripts/gpu_vl.py $([ "$SMOKE" = 1 ] && echo --cpu-smoke) \
+  --compilation-cache-dir "$CACHE"
 for f in "$LOGS"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done >"$OUT/logs.txt"
 { echo "== summary ($((SECONDS - START))s, $(date -u +%FT%TZ))"; printf '%s\n' "${SUMMARY[@]}"; } | tee "$OUT/summary.txt"
