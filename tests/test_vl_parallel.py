@@ -3,7 +3,8 @@ tiny checkpoint).
 
     TP 2          2 fake CPU devices (tests/vl_worker.py): two images of different sizes in one prompt, one
                   image in another and a text-only prompt in one batch: greedy tokens equal transformers'
-                  float32 ones, logprobs within 1e-4; the language model split, the tower replicated
+                  float32 ones, logprobs within 1e-4; the language model split, the tower replicated; the
+                  same engine behind the real OpenAI app: a chat with an image over HTTP = transformers
     get_weights   the checkpoint's safetensors names (language model and visual.*), values equal
     update        perturbed tower weights by name: the same image (its rows cached before) now gives
                   transformers' tokens on the perturbed model; update_weights_from_disk restores them
@@ -47,6 +48,13 @@ def test_tensor_parallel_equals_transformers(checkpoint):
     assert got["prompt_ids"] == [r[0] for r in refs]
     assert got["tokens"] == [r[1] for r in refs]
     assert_logprobs_close(got["logprobs"], [r[2] for r in refs])
+    # over HTTP (the real app, the same TP 2 engine): a chat whose ChatML is prompts()[1]'s prompt
+    from transformers import AutoTokenizer
+
+    http = got["http"]
+    assert http["usage"]["prompt_tokens"] == len(refs[1][0]) and http["usage"]["completion_tokens"] == MAX_TOKENS
+    assert http["text"] == AutoTokenizer.from_pretrained(checkpoint).decode(refs[1][1], skip_special_tokens=True)
+    assert_logprobs_close([http["logprobs"]], [refs[1][2]])
 
 
 def _generate(llm, prompt: str, images: list, max_tokens: int) -> list[int]:
