@@ -1,8 +1,9 @@
 """Images in: Qwen2.5-VL and Qwen2-VL against transformers, on tiny random checkpoints saved by transformers'
 own classes with their image processor beside them (tests/vl_fixtures.py).
 
-    the vision tower     models/vision/qwen2_vl_vision.py against transformers' visual model, three images
-                         of different sizes in one ragged batch (Qwen2.5-VL's windows and full blocks)
+    the vision tower     models/vision/qwen2_vl_vision.py against transformers' visual model, four images
+                         of different sizes in one ragged batch (Qwen2.5-VL's windows and full blocks), one
+                         of them across a key chunk's end (full attention's online softmax)
     M-RoPE               multimodal/inputs.rope_index against transformers' get_rope_index
     LLM.generate         {"prompt", "multi_modal_data": {"image": ...}}: greedy tokens equal to transformers'
                          float32 ones, each token's logprob within 1e-4, images of several sizes, two in one
@@ -33,6 +34,7 @@ TEXT = "<|im_start|>user\nno image here<|im_end|>\n"
 # 6x8, 4x4 and 8x6 patch grids (12, 4 and 12 rows); SAME_SIZE: 6x8 again, other pixels
 IMAGES = [image(84, 112, 0), image(56, 56, 1), image(112, 84, 2)]
 SAME_SIZE = image(84, 112, 3)
+BIG = image(364, 420, 4)  # 26x30 patches: larger than one key chunk of full attention (the tower test)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,7 @@ def test_vision_tower_equals_transformers(checkpoints, kind):
     import torch
     import transformers
 
+    from jaxserve.models.vision.attention import KEY_CHUNK
     from jaxserve.models.vision.qwen2_vl_vision import patch_layout, vision_forward
     from jaxserve.weights.loader import load_model
 
@@ -76,13 +79,16 @@ def test_vision_tower_equals_transformers(checkpoints, kind):
     model = load_model(str(path), "float32", progress=False)
     vc = model.config.vision
     assert (vc.window_size, vc.fullatt_block_indexes) == ((56, (1,)) if kind == "qwen2_5_vl" else (0, ()))
-    out = transformers.AutoImageProcessor.from_pretrained(path)(images=IMAGES, return_tensors="np")
+    # BIG (26x30 patches, 780) spans the first 512-key chunk's end, its 13x15 blocks in partial windows too
+    processor = transformers.AutoImageProcessor.from_pretrained(path, max_pixels=BIG.width * BIG.height)
+    out = processor(images=IMAGES[:2] + [BIG, IMAGES[2]], return_tensors="np")
     grids = [tuple(int(x) for x in g) for g in out["image_grid_thw"]]
     n = out["pixel_values"].shape[0]
-    pixels = np.zeros((128, vc.patch_dim), np.float32)  # padded: the rows past n see only each other
+    assert grids[2] == (1, 26, 30) and n == 892 and KEY_CHUNK < 64 + 780
+    pixels = np.zeros((1024, vc.patch_dim), np.float32)  # padded: the rows past n see only each other
     pixels[:n] = out["pixel_values"]
     got = jax.jit(vision_forward, static_argnums=1)(model.params["vision"], vc, jnp.asarray(pixels),
-                                                    *patch_layout(vc, grids, 128))
+                                                    *patch_layout(vc, grids, 1024))
     with torch.no_grad():
         want = hf_model(path).model.visual(torch.from_numpy(out["pixel_values"]),
                                            grid_thw=torch.from_numpy(out["image_grid_thw"])).pooler_output.numpy()

@@ -150,11 +150,11 @@ class MultiModalRunner:
         vc = self.vision
         num = sum(p.shape[0] for p in pixel_values)
         size = max(MIN_PATCH_BUCKET, 1 << (num - 1).bit_length())  # one program per power of two
-        pos, seg_full, seg_window = patch_layout(vc, grids, size)
+        layout = patch_layout(vc, grids, size)  # order, pos_hw, seg_full, seg_window
         pixels = np.zeros((size, vc.patch_dim), np.float32)
         pixels[:num] = np.concatenate(pixel_values)
-        return np.asarray(jax.device_get(self._encode(params, vc, jax.device_put(pixels.astype(self.dtype)), pos,
-                                                      seg_full, seg_window)))
+        return np.asarray(jax.device_get(self._encode(params, vc, jax.device_put(pixels.astype(self.dtype)),
+                                                      *layout)))
 
     def warmup(self, params: dict) -> int:
         """Run the tower once per patch bucket, as serving runs it (a small image padded to the bucket):

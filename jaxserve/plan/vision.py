@@ -8,9 +8,11 @@ preprocessor_config.json (max_pixels), sized as the engine sizes it (jaxserve/mu
                       whole on every device (the engine does not shard the tower)
     tower activation  the largest program warm-up compiles: patches = the first power of two >= the
                       encoder budget (max_num_batched_tokens x merge_unit, raised to the processor's
-                      largest image); its attention is dense under a mask, so the [heads, N, N] scores
-                      (float32) and probabilities (model dtype) dominate. The tower and the language
-                      model run as separate programs, so the step's reserve is the larger of the two
+                      largest image); its attention is linear in N (models/vision/attention.py): the
+                      full blocks' [heads, N, KEY_CHUNK] float32 scores and exponents, or the window
+                      blocks' [heads, N, 3 x window chunk] ones, beside the block's row tensors. The
+                      tower and the language model run as separate programs, so the step's reserve is
+                      the larger of the two
     encoder cache     host memory, not the device's: the runner keeps each image's merged rows in numpy
                       up to DEFAULT_CACHE_BYTES (least recently used dropped beyond it); listed with the
                       image tokens it holds, never taken from the KV budget
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jaxserve.models.vision.attention import KEY_CHUNK, key_chunk, window_chunk
 from jaxserve.models.vision.config import VisionConfig
 from jaxserve.multimodal.runner import DEFAULT_CACHE_BYTES, MIN_PATCH_BUCKET
 
@@ -64,11 +67,19 @@ def patch_bucket(vc: VisionConfig, max_num_batched_tokens: int, largest_image: i
 
 
 def tower_activation_bytes(vc: VisionConfig, patches: int, width: int) -> int:
-    """One tower program's temporaries at `patches` rows: the scores in float32 and the probabilities
-    at `width` over [heads, N, N], plus one block's row tensors (residual, normed copy, qkv, MLP)."""
-    attention = vc.num_heads * patches * patches * (4 + width)
-    rows = patches * (3 * vc.hidden_size + 3 * vc.hidden_size + 3 * vc.intermediate_size) * width
-    return attention + rows
+    """One tower program's temporaries at `patches` rows (XLA's measurement: tests/test_plan_vision.py):
+    the residual and the block's output, then the larger of the attention's and the MLP's moment. The
+    attention holds qkv and the rotated q, k, its running output (float32) and its scores and exponents
+    (float32): a full block's over one key chunk, a window block's over three window chunks (beside the
+    banded keys and values)."""
+    d, n, heads = vc.hidden_size, patches, vc.num_heads
+    full = heads * n * key_chunk(n) * 8 + n * d * 4 * 2
+    attention = full
+    if vc.window_size and n > KEY_CHUNK:  # at most KEY_CHUNK patches: one dense masked softmax for both kinds
+        attention = max(full, heads * n * 3 * window_chunk(vc, n) * 8 + 6 * n * d * width)
+    attention += n * 3 * d * width * 2
+    mlp = n * 3 * vc.intermediate_size * width
+    return n * d * width * 2 + max(attention, mlp)
 
 
 def vision_figures(vc: VisionConfig, width: int, max_num_batched_tokens: int, largest_image: int | None,
@@ -95,7 +106,7 @@ def render_lines(r: dict) -> list[str]:
     return [f"  vision tower        {gb(r['vision_weights_bytes'])}  ({r['vision_params'] / 1e6:.1f} M params, "
             f"whole on each device)",
             f"  vision activation   {gb(r['vision_activation_bytes'])}  (its largest program: "
-            f"{r['vision_largest_program_patches']} patches, dense attention; budget {r['vision_patch_budget']} "
+            f"{r['vision_largest_program_patches']} patches, attention in chunks; budget {r['vision_patch_budget']} "
             f"patches from {source})",
             f"  encoder cache       {gb(r['encoder_cache_bytes'])}  (host memory, not the device's: "
             f"{r['encoder_cache_image_tokens']} image tokens)",

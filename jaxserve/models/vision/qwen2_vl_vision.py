@@ -7,11 +7,12 @@ and Qwen2_5_VisionTransformerPretrainedModel compute it, over a ragged batch of 
       -> merger: norm, every 4 consecutive rows (a 2x2 block) concatenated, Linear -> GELU -> Linear
     -> [N / 4, out_hidden]: one language-model input row per merged block
 
-Attention is dense over the batch's N patches under a mask, not transformers' per-window loop: a
-patch sees the patches of its own image (Qwen2-VL, and Qwen2.5-VL's fullatt_block_indexes) or of its
-own window (Qwen2.5-VL's other blocks). transformers reorders the patches window by window and back;
-attention over the same key set gives the same rows, so the order here stays the processor's.
-Padding rows (segment -1) see only each other and are dropped by the caller.
+Attention never forms a [N, N] matrix (models/vision/attention.py): the rows run in window order, as
+transformers reorders them (each Qwen2.5-VL window's patches contiguous; Qwen2-VL: the processor's order),
+a window block attends within chunks of the window's size and its neighbours, a full block (Qwen2-VL's,
+Qwen2.5-VL's fullatt_block_indexes) scans key chunks with an online softmax under the image mask; the
+rows go back to the processor's order before the merger. Memory is linear in N. Padding rows (segment
+-1) see only each other and are dropped by the caller.
 
 Params (weights [in, out]; the blocks stacked on a leading [depth] axis):
     patch [C*T*P*P, D]
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.models.vision.attention import (KEY_CHUNK, dense_attention, full_attention, window_attention,
+                                              window_blocks, window_chunk)
 from jaxserve.models.vision.config import VisionConfig
 
 TensorGetter = Callable[[str], np.ndarray]
@@ -73,16 +76,22 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (xf * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
 
 
-def _attention(vc: VisionConfig, lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
-               mask: jax.Array) -> jax.Array:
+def _attention(vc: VisionConfig, lp: dict, x: jax.Array, cos: jax.Array, sin: jax.Array, seg_full: jax.Array,
+               seg_window: jax.Array) -> jax.Array:
     n, heads, hd = x.shape[0], vc.num_heads, vc.head_dim
     qkv = (x @ lp["qkv"] + lp["qkv_b"]).reshape(n, 3, heads, hd)
     q, k, v = _rope(qkv[:, 0], cos, sin), _rope(qkv[:, 1], cos, sin), qkv[:, 2]
-    scores = jnp.einsum("qhd,khd->hqk", q, k) * (hd ** -0.5)
-    scores = jnp.where(mask[None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
-    out = jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, heads * hd)
-    return out @ lp["proj"] + lp["proj_b"]
+    if n <= KEY_CHUNK:  # the scores fit the chunked forms' bound: one masked softmax, quicker to compile
+        mask = seg_full[:, None] == seg_full[None, :]
+        if vc.window_size:
+            mask = jnp.where(lp["full"] > 0, mask, seg_window[:, None] == seg_window[None, :])
+        out = dense_attention(q, k, v, mask)
+    elif not vc.window_size:  # Qwen2-VL: every block attends over its image
+        out = full_attention(q, k, v, seg_full)
+    else:  # one branch runs: the block's own kind
+        out = jax.lax.cond(lp["full"] > 0, lambda: full_attention(q, k, v, seg_full),
+                           lambda: window_attention(q, k, v, seg_window, window_chunk(vc, n)))
+    return out.reshape(n, heads * hd) @ lp["proj"] + lp["proj_b"]
 
 
 def _mlp(vc: VisionConfig, lp: dict, x: jax.Array) -> jax.Array:
@@ -92,21 +101,24 @@ def _mlp(vc: VisionConfig, lp: dict, x: jax.Array) -> jax.Array:
     return _act(vc.hidden_act, x @ lp["fc1"] + lp["fc1_b"]) @ lp["fc2"] + lp["fc2_b"]
 
 
-def vision_forward(params: dict, vc: VisionConfig, patches: jax.Array, pos_hw: jax.Array, seg_full: jax.Array,
-                   seg_window: jax.Array) -> jax.Array:
-    """patches [N, patch_dim], pos_hw [N, 2] i32 (row, column), seg_full / seg_window [N] i32 (the image,
-    or the window, each patch attends within; -1 padding) -> merged rows [N / merge_unit, out_hidden]."""
+def vision_forward(params: dict, vc: VisionConfig, patches: jax.Array, order: jax.Array, pos_hw: jax.Array,
+                   seg_full: jax.Array, seg_window: jax.Array) -> jax.Array:
+    """patches [N, patch_dim] in the processor's order; order [N] i32 (the patch each row of the window
+    layout takes), pos_hw [N, 2] i32 (row, column), seg_full / seg_window [N] i32 (the image frame, or the
+    window, each row attends within; -1 padding), all three in the layout's order (patch_layout)
+    -> merged rows [N / merge_unit, out_hidden] in the processor's order."""
     x = patches.astype(params["patch"].dtype) @ params["patch"]
+    if vc.window_size:
+        x = x[order]
     cos, sin = _rotary(vc, pos_hw)
-    full_mask = seg_full[:, None] == seg_full[None, :]
-    window_mask = seg_window[:, None] == seg_window[None, :]
 
     def block(x, lp):
-        mask = jnp.where(lp["full"] > 0, full_mask, window_mask)
-        x = x + _attention(vc, lp, _norm(vc, x, lp["norm1"], lp.get("norm1_b")), cos, sin, mask)
+        x = x + _attention(vc, lp, _norm(vc, x, lp["norm1"], lp.get("norm1_b")), cos, sin, seg_full, seg_window)
         return x + _mlp(vc, lp, _norm(vc, x, lp["norm2"], lp.get("norm2_b"))), None
 
     x, _ = jax.lax.scan(block, x, params["blocks"])
+    if vc.window_size:  # back to the processor's order: each 2x2 block's four rows again consecutive
+        x = jnp.zeros_like(x).at[order].set(x, unique_indices=True)
     m = params["merger"]
     x = _norm(vc, x, m["norm"], m.get("norm_b")).reshape(-1, vc.merge_unit * vc.hidden_size)
     x = jax.nn.gelu(x @ m["fc1"] + m["fc1_b"], approximate=False)  # torch's nn.GELU(): the exact erf form
@@ -115,13 +127,14 @@ def vision_forward(params: dict, vc: VisionConfig, patches: jax.Array, pos_hw: j
 
 # ---- host side: the geometry of a batch of images --------------------------------------------------
 def patch_layout(vc: VisionConfig, grids: list[tuple[int, int, int]],
-                 num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(pos_hw [R, 2], seg_full [R], seg_window [R]) for images of (t, h, w) patch grids laid out one
-    after another, padded to `num_rows` (segment -1). Each frame's patches come in the processor's
-    order: 2x2 merge blocks row by row, the block's patches row by row inside it."""
+                 num_rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(order [R], pos_hw [R, 2], seg_full [R], seg_window [R]) for images of (t, h, w) patch grids laid
+    out one after another, padded to `num_rows` (segment -1, last). The processor gives each frame's
+    patches as 2x2 merge blocks row by row, the block's patches row by row inside it; the layout (what
+    `order` picks, and the order of the other three) puts each Qwen2.5-VL window's patches together, the
+    windows of a frame row by row (transformers' window_index), keeping each block's four rows in order."""
     m = vc.spatial_merge_size
-    # Qwen2.5-VL: a window of `window_size` pixels is this many merged blocks a side
-    win = vc.window_size // m // vc.patch_size if vc.window_size else 0
+    win = window_blocks(vc)  # Qwen2.5-VL: a window is this many merged blocks a side
     pos, full, window = [], [], []
     frame = next_window = 0
     for t, h, w in grids:
@@ -141,12 +154,17 @@ def patch_layout(vc: VisionConfig, grids: list[tuple[int, int, int]],
     n = sum(len(p) for p in pos)
     if n > num_rows:
         raise ValueError(f"{n} patches exceed the {num_rows} rows of the vision program")
+    order = np.arange(num_rows, dtype=np.int32)
     out_pos = np.zeros((num_rows, 2), np.int32)
     out_full = np.full(num_rows, -1, np.int32)
     out_window = np.full(num_rows, -1, np.int32)
     if pos:
-        out_pos[:n], out_full[:n], out_window[:n] = np.concatenate(pos), np.concatenate(full), np.concatenate(window)
-    return out_pos, out_full, out_window
+        window_ids = np.concatenate(window)
+        # window ids rise with the frame: a stable sort keeps frames, then windows, then the processor's order
+        order[:n] = np.argsort(window_ids, kind="stable") if win else np.arange(n)
+        out_pos[:n], out_full[:n] = np.concatenate(pos)[order[:n]], np.concatenate(full)[order[:n]]
+        out_window[:n] = window_ids[order[:n]]
+    return order, out_pos, out_full, out_window
 
 
 # ---- weights ---------------------------------------------------------------------------------------
