@@ -15,6 +15,7 @@ real uvicorn server in this process and the openai client, on the tiny Qwen2.5-V
     hosts        --allowed-media-domains (the engine's: 127.0.0.1) and, without it, private/loopback/... addresses
                  (SSRF): each a 400 before any connection (servers counting their accepts), redirect hops too;
                  a name resolving elsewhere on its second lookup (DNS rebinding) is fetched from the first
+    encoder      the same image in 10 concurrent requests: the tower runs once (vLLM's mm_hash)
     processor    --mm-processor-cache-gb's cache hit for an image sent again; --mm-processor-kwargs' max_pixels
                  gives the image tokens transformers' processor gives with it; the multimodal flags refused
                  at start-up for a bad key, a bad value and a text-only model
@@ -332,6 +333,21 @@ def test_processor_cache_hit(served):
     for _ in range(2):
         client.chat.completions.create(model=model, messages=_message(url), max_completion_tokens=1)
     assert (cache.hits - hits, cache.misses - misses) == (1, 1)
+
+
+def test_one_image_in_ten_concurrent_requests_runs_the_tower_once(served):
+    """The encoder cache (vLLM's mm_hash): the same image in 10 requests at once, over HTTP, is encoded
+    once, whether the requests share a step (one tower run per distinct image) or follow it (cached)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client, _, _, model, engine = served
+    encoded = engine.runner.mm.num_images_encoded
+    url = _data_url(_png(image(84, 56, 31)))
+    with ThreadPoolExecutor(10) as pool:
+        outs = list(pool.map(lambda _: client.chat.completions.create(
+            model=model, messages=_message(url), max_completion_tokens=1), range(10)))
+    assert len({o.usage.prompt_tokens for o in outs}) == 1
+    assert engine.runner.mm.num_images_encoded == encoded + 1
 
 
 def test_mm_processor_kwargs_max_pixels(served, checkpoint):
