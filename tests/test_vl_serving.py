@@ -8,8 +8,10 @@ real uvicorn server in this process and the openai client, on the tiny Qwen2.5-V
                  same image (itself equal to transformers: tests/test_qwen2_vl.py), two images in a prompt
     bad input    truncated PNG bytes, a body that is not an image, a 1x300 image the processor refuses, more
                  images than --limit-mm-per-prompt (refused before any fetch), a file outside the allowed
-                 folder, an unreachable host, a redirect to file://, a video part: each a 400 naming the
-                 part; /health stays 200 and the next request is answered
+                 folder, an unreachable host, a redirect to file://, a video part, a PNG header declaring
+                 120 M pixels (over Pillow's bomb limit, where Pillow only warns; refused before decoding),
+                 a body over the byte cap (base64 before decoding; a download stopped): each a 400 naming
+                 the part; /health stays 200 and the next request is answered
     text-only    an image part to a text-only model: a 400 naming messages.0.content
     flags        --limit-mm-per-prompt's JSON form and --allowed-local-media-path checked at start-up
     hosts        --allowed-media-domains (the engine's: 127.0.0.1) and, without it, private/loopback/... addresses
@@ -30,7 +32,9 @@ import functools
 import http.server
 import io
 import socket
+import struct
 import threading
+import zlib
 from pathlib import Path
 
 import httpx
@@ -50,6 +54,15 @@ def _png(im) -> bytes:
     buf = io.BytesIO()
     im.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def _png_header(width: int, height: int) -> bytes:
+    """A PNG whose header declares width x height RGB pixels, with one empty image-data chunk."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
 
 
 def _data_url(body: bytes) -> str:
@@ -137,9 +150,10 @@ def test_image_urls_equal_offline_chat(served, media):
 
 
 def test_bad_images_are_400_and_the_server_stays_up(served, media, tmp_path):
-    client, raw, (one, _), model, _ = served
+    client, raw, (one, _), model, engine = served
     root, base = media
     png = _png(IMG)
+    media_loader = engine.mm_processor.media
     outside = tmp_path / "outside.png"
     outside.write_bytes(png)
     with socket.socket() as s:  # a port nobody listens on
@@ -157,13 +171,19 @@ def test_bad_images_are_400_and_the_server_stays_up(served, media, tmp_path):
         (_message(f"{base}/redirect"), "redirected to a non-http"),
         ([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": f"{base}/a.mp4"}}]}],
          "video_url parts are not supported"),
+        (_message(_data_url(_png_header(12000, 10000))), "decompression-bomb limit"),  # 120 M pixels declared
+        (_message(_data_url(b"\0" * (len(png) + 4))), "the image is larger than"),  # base64: before decoding
+        (_message(f"{base}/img.png"), "the image is larger than"),  # fetched: the download stops
     ]
-    for messages, match in cases:
+    cap = dataclasses.replace(engine.mm_processor.media, max_bytes=len(png) - 1)  # both of the last two
+    for i, (messages, match) in enumerate(cases):
+        engine.mm_processor.media = cap if i >= len(cases) - 2 else media_loader
         r = raw.post("/v1/chat/completions", json={"model": model, "messages": messages, "max_tokens": 2})
         assert r.status_code == 400, (match, r.text)
         assert match in r.json()["error"]["message"], r.text
         assert "messages[0].content" in r.text or "multi_modal_data.image" in r.text  # names the part
         assert raw.get("/health").status_code == 200
+    engine.mm_processor.media = media_loader
     assert _tokens(client, model, _message(f"{base}/img.png")) == one  # still answering
 
 

@@ -117,9 +117,17 @@ def decode(body: bytes, where: str) -> Any:
     from PIL import Image
 
     try:
-        image = Image.open(io.BytesIO(body))
-        image.load()
+        image = Image.open(io.BytesIO(body))  # reads the header only
     except Exception as e:  # noqa: BLE001  (Pillow: UnidentifiedImageError, OSError, DecompressionBombError)
+        raise ValueError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
+    # Pillow's decompression-bomb limit, from the header before any pixel is decoded (Pillow itself only
+    # warns between the limit and twice it): a few KB of PNG can declare gigabytes of pixels
+    if Image.MAX_IMAGE_PIXELS is not None and image.width * image.height > Image.MAX_IMAGE_PIXELS:
+        raise ValueError(f"{where}: the image declares {image.width}x{image.height} pixels, more than Pillow's "
+                         f"decompression-bomb limit of {Image.MAX_IMAGE_PIXELS}")
+    try:
+        image.load()
+    except Exception as e:  # noqa: BLE001  (truncated or corrupt pixel data)
         raise ValueError(f"{where}: not a readable image ({type(e).__name__}: {e})") from None
     return image
 
