@@ -413,7 +413,8 @@ def test_mm_flags_refused_at_start_up(served, tmp_path):
     engine = served[4]
     text_only = tmp_path / "qwen2"  # the VL checkpoints' language model alone: a model without images
     torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**{**TEXT, "num_hidden_layers": 1})).save_pretrained(text_only)
+    config = transformers.Qwen2Config(**{**TEXT, "num_hidden_layers": 1})
+    transformers.Qwen2ForCausalLM(config).save_pretrained(text_only)
     save_tokenizer(text_only)
     for kwargs, match in (({"max_pixel": 5}, "'max_pixel' is not an option of Qwen2VLImageProcessor"),
                           ({"return_tensors": "pt"}, "'return_tensors' is set by jaxserve"),
