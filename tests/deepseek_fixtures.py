@@ -16,6 +16,11 @@ CHECKPOINTS = {
         routed_scaling_factor=1.5, first_k_dense_replace=0,
         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
                              mscale=0.9, mscale_all_dim=0.7, beta_fast=32.0, beta_slow=1.0))),
+    # V2 with q_lora_rank (q through q_a / its norm / q_b, as V2 proper has) and V2's other router:
+    # softmax scores, plain greedy top-k (no groups), no renormalisation; a dense first layer, plain RoPE
+    "v2_q_lora": ("DeepseekV2Config", dict(
+        num_hidden_layers=2, q_lora_rank=24, topk_method="greedy", routed_scaling_factor=1.0,
+        first_k_dense_replace=1)),
     # V3's shape: q_lora_rank, sigmoid scores with a (randomized) selection bias, 4 groups keeping 2,
     # renormalised and scaled, the first layer dense, YaRN as V3's; rotate-half rotary dims
     # (rope_interleave false: V2 above takes the interleaved pairs, as V3's hub checkpoints do)

@@ -31,10 +31,11 @@ def test_greedy_tokens_and_logprobs_equal_transformers(served):
     name, path, engine = served
     cfg = engine.model.config
     m, e = cfg.mla, cfg.moe  # what the checkpoint exists for survived config.json
-    assert (m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank) == (32, 8, 24 if name == "v3" else 0)
-    assert m.rope_interleave == (name == "v2")
-    assert e.router == ("noaux_tc" if name == "v3" else "group_limited_greedy") and (e.n_group, e.topk_group) == (4, 2)
-    assert e.dense_layers == ((0,) if name == "v3" else ()) and e.shared_expert_intermediate_size == 32
+    assert (m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank) == (32, 8, 0 if name == "v2" else 24)
+    assert m.rope_interleave == name.startswith("v2")
+    router = {"v2": "group_limited_greedy", "v2_q_lora": "greedy", "v3": "noaux_tc"}[name]
+    assert e.router == router and (router == "greedy" or (e.n_group, e.topk_group) == (4, 2))
+    assert e.dense_layers == (() if name == "v2" else (0,)) and e.shared_expert_intermediate_size == 32
     reference, ref_logprobs = hf_reference(path, PROMPTS + [CACHED])
     tokens, logprobs = engine_run(engine, PROMPTS)
     hits = engine.get_stats().prefix_cache_hits
@@ -94,10 +95,10 @@ def test_mixed_layers_hold_only_their_own_weights(name, tmp_path):
     assert total_params(cfg) == want
 
 
-@pytest.mark.parametrize("name", ["v2", "v3"])
+@pytest.mark.parametrize("name", ["v2", "v2_q_lora", "v3"])
 def test_router_selects_the_experts_transformers_selects(name):
     """1,000 tokens through transformers' router module and DeepSeek's router here: the same experts,
-    weights within float32 rounding (V3: a random selection bias, V2: group_limited_greedy)."""
+    weights within float32 rounding (V3: a random selection bias, V2: group_limited_greedy and greedy)."""
     import importlib
 
     import jax.numpy as jnp
@@ -109,8 +110,9 @@ def test_router_selects_the_experts_transformers_selects(name):
 
     cls_name, extra = CHECKPOINTS[name]
     hf_cfg = getattr(transformers, cls_name)(**COMMON, **extra)
-    modeling = importlib.import_module(f"transformers.models.deepseek_{name}.modeling_deepseek_{name}")
-    module = getattr(modeling, f"Deepseek{name.upper()}TopkRouter")
+    kind = name[:2]  # v2 / v3: transformers' module
+    modeling = importlib.import_module(f"transformers.models.deepseek_{kind}.modeling_deepseek_{kind}")
+    module = getattr(modeling, f"Deepseek{kind.upper()}TopkRouter")
     torch.manual_seed(1)
     router = module(hf_cfg)
     with torch.no_grad():
@@ -120,7 +122,7 @@ def test_router_selects_the_experts_transformers_selects(name):
     x = torch.randn(1000, 64)
     with torch.no_grad():
         _, want_w, want_ids = router(x)
-    e = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": [f"Deepseek{name.upper()}ForCausalLM"]}).moe
+    e = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": [f"Deepseek{kind.upper()}ForCausalLM"]}).moe
     select = GroupedTopK(e.router, e.num_experts_per_tok, e.n_group, e.topk_group, e.norm_topk_prob,
                          e.routed_scaling_factor)
     logits = jnp.asarray(x.numpy()) @ jnp.asarray(router.weight.detach().numpy().T)
