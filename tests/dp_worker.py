@@ -80,8 +80,12 @@ def main(model_dir: str, refs_path: str) -> None:
     results = {}
     for layout, split in (("tp", dict(tensor_parallel_size=2)), ("pp", dict(pipeline_parallel_size=2))):
         lora = LORA if layout == "tp" else {}
+        # the pp layout's replicas compile only what they run (warm-up under DP: the tp layout; under PP:
+        # tests/test_pipeline.py)
+        eager = dict(enforce_eager=True) if layout == "pp" else {}
         dp = DataParallelAsyncLLM.from_engine_args(
-            EngineArgs(model=model_dir, data_parallel_size=2, **split, **ENGINE, **lora), model=model, progress=False)
+            EngineArgs(model=model_dir, data_parallel_size=2, **split, **ENGINE, **lora, **eager), model=model,
+            progress=False)
         if lora:
             register_lora_modules(dp, (f"qv8={refs['qv8']['path']}",))
         with serve_in_thread(build_app(dp)) as base:

@@ -41,7 +41,8 @@ def test_dp2_serves_correctly_over_both_replicas(results, layout):
     assert all(result["match"]), result
     assert all(n > 0 for n in result["served"]) and sum(result["served"]) == 12, result
     assert sorted(sum(result["devices"], [])) == [0, 1, 2, 3], result  # two disjoint pairs of devices
-    assert result["compiles_after_warmup"] == 0
+    if layout == "tp":  # (the pp layout's replicas start eager: tests/dp_worker.py)
+        assert result["compiles_after_warmup"] == 0
 
 
 def test_dp2_serves_lora_adapters_on_every_replica(results, tiny_lora_refs):
