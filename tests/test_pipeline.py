@@ -38,7 +38,13 @@ CASES = ["llama_gqa/tp1/pp4", "llama_gqa/tp2/pp3", "llama_gqa/tp1/pp2/async", "q
 def test_pipeline_greedy_tokens_equal_one_device(tiny, case):
     r = tiny[case]
     assert r["equal"], (r["tokens"], r["reference"])
-    assert r["compiles_after_warmup"] == 0
+    # the warmed cases (tests/pipeline_worker.WARMED: TP x PP, async stages) hold 0 compilations after
+    # warm-up; the others start eager
+    assert r["compiles_after_warmup"] == 0 or not r["warmed"]
+
+
+def test_a_tensor_parallel_and_an_async_case_warm_up(tiny):
+    assert {c for c in CASES if tiny[c]["warmed"]} == {"llama_gqa/tp2/pp3", "mistral_sliding/tp1/pp3/async"}
 
 
 @pytest.mark.parametrize("case", CASES)
