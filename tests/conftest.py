@@ -30,14 +30,15 @@ _WARMUP = {"module": False, "test": False}
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _eager_unless_warmup():
+def _eager_unless_warmup() -> Iterator[None]:
     import dataclasses
 
+    from jaxserve.engine.args import EngineArgs
     from jaxserve.engine.llm_engine import LLMEngine
 
     init = LLMEngine.__init__
 
-    def eager_init(self, args, *a, **kw):
+    def eager_init(self: LLMEngine, args: EngineArgs, *a: object, **kw: object) -> None:
         if not (_WARMUP["module"] or _WARMUP["test"]) and not args.enforce_eager:
             args = dataclasses.replace(args, enforce_eager=True)
         init(self, args, *a, **kw)
@@ -48,14 +49,14 @@ def _eager_unless_warmup():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _warmup_module(request, _eager_unless_warmup):
+def _warmup_module(request: pytest.FixtureRequest, _eager_unless_warmup: None) -> Iterator[None]:
     _WARMUP["module"] = request.node.get_closest_marker("warmup") is not None  # the module's pytestmark
     yield
     _WARMUP["module"] = False
 
 
 @pytest.fixture(autouse=True)
-def _warmup_test(request, _warmup_module):
+def _warmup_test(request: pytest.FixtureRequest, _warmup_module: None) -> Iterator[None]:
     _WARMUP["test"] = request.node.get_closest_marker("warmup") is not None
     yield
     _WARMUP["test"] = False
