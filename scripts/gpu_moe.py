@@ -57,6 +57,7 @@ def random_model(name: str, dtype: str):
     from jaxserve.models import llama
     from jaxserve.models.expert_weights import EXPERT_STACKS
     from jaxserve.weights.loader import LoadedModel
+    from scripts.gpu_random import hash_uniform
 
     cfg = config(name)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(llama.param_shapes(cfg),
@@ -64,14 +65,7 @@ def random_model(name: str, dtype: str):
     dt = jnp.dtype(dtype)
 
     def make(seed, shape, is_norm, fan_in):
-        idx = jnp.zeros(shape, jnp.uint32)
-        stride = 1
-        for axis in reversed(range(len(shape))):
-            idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride & 0xFFFFFFFF)
-            stride *= shape[axis]
-        h = (idx + jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) * jnp.uint32(0x85EBCA6B)
-        h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-        u = ((h ^ (h >> 16)) >> 8).astype(jnp.float32) * (2.0 / (1 << 24)) - 1.0  # uniform [-1, 1)
+        u = hash_uniform(seed, shape)  # scripts/gpu_random.py
         if is_norm:
             return (1.0 + 0.1 * u).astype(dt)
         return (u * (2.6 / np.sqrt(fan_in))).astype(dt)  # std of U(-a, a) is a / sqrt(3)

@@ -10,9 +10,28 @@ tower's `full` blocks) are given by the caller in `fixed`, by their path ("layer
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+
+
+def hash_uniform(seed: int, shape: tuple[int, ...]) -> jax.Array:
+    """Uniform [-1, 1) float32 values from a hash of each element's flat index and `seed`, made on the
+    device (no float32 buffer on the host; traced inside the caller's jit)."""
+    import jax
+    import jax.numpy as jnp
+
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride & 0xFFFFFFFF)
+        stride *= shape[axis]
+    h = (idx + jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return ((h ^ (h >> 16)) >> 8).astype(jnp.float32) * (2.0 / (1 << 24)) - 1.0
 
 
 def _fan_in(name: str, shape: tuple[int, ...]) -> int:
@@ -38,14 +57,7 @@ def random_params(shapes: Mapping, dtype: str, fixed: Mapping[str, np.ndarray] |
     leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
 
     def make(seed: int, shape: tuple[int, ...], kind: str, scale: float) -> jax.Array:
-        idx = jnp.zeros(shape, jnp.uint32)
-        stride = 1
-        for axis in reversed(range(len(shape))):
-            idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride & 0xFFFFFFFF)
-            stride *= shape[axis]
-        h = (idx + jnp.uint32(seed * 0x9E3779B9 & 0xFFFFFFFF)) * jnp.uint32(0x85EBCA6B)
-        h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-        u = ((h ^ (h >> 16)) >> 8).astype(jnp.float32) * (2.0 / (1 << 24)) - 1.0  # uniform [-1, 1)
+        u = hash_uniform(seed, shape)
         if kind == "norm":
             return (1.0 + 0.1 * u).astype(dt)
         return (u * scale).astype(dt)
